@@ -1,0 +1,51 @@
+# Two commands on a fresh machine: `make study` and `make test`.
+# Both create .venv and install the project (and everything it needs) into it first.
+PYTHON   ?= python3
+VENV     := .venv
+BIN      := $(VENV)/bin
+STAMP    := $(VENV)/.installed
+PROFILE  ?= quick
+SCHEDULER ?=
+
+.PHONY: install study smoke test lint lab report bench strip clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## make study: the whole study, default quick profile, embedded local Dask cluster
+study: $(STAMP)
+	$(BIN)/stabstudy study --profile $(PROFILE) $(if $(SCHEDULER),--scheduler $(SCHEDULER))
+
+## make smoke: the whole study with tiny sizes (what CI runs, a few minutes)
+smoke: $(STAMP)
+	$(BIN)/stabstudy study --profile smoke
+
+## make test: lint + unit tests + every notebook under the smoke profile
+test: $(STAMP)
+	$(BIN)/ruff check stabstudy tests benchmarks
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check stabstudy tests benchmarks
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab notebooks
+
+## make report: render executed notebooks (build/<profile>/) to HTML
+report: $(STAMP)
+	$(BIN)/stabstudy report --profile $(PROFILE)
+
+## make bench: every benchmark, side-by-side ratios
+bench: $(STAMP)
+	for b in benchmarks/*.py; do echo "== $$b"; OMP_NUM_THREADS=1 $(BIN)/python $$b || exit 1; done
+
+## make strip: remove outputs from stored notebooks
+strip: $(STAMP)
+	$(BIN)/nbstripout notebooks/*.ipynb
+
+clean:
+	rm -rf data/runs data/cache build figures/*/

@@ -1,0 +1,5 @@
+import sys
+
+from stabstudy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,85 @@
+"""The ``stabstudy`` command: ``study``, ``runs``, ``report``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stabstudy import study
+
+
+def _cmd_study(args: argparse.Namespace) -> int:
+    try:
+        study.select(args.only)
+    except ValueError as exc:
+        print(f"stabstudy study: error: {exc}", file=sys.stderr)
+        return 2
+    timings = study.run_study(args.profile, args.only, args.scheduler)
+    total = sum(t for _, t in timings)
+    print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s; "
+          f"executed copies in build/{args.profile}/, figures in figures/")
+    return 0
+
+
+def _cmd_runs(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from stabstudy.store import RunStore
+
+    store = RunStore(args.data) if args.data else RunStore()
+    table = store.table()
+    if table.empty:
+        print(f"no stored runs in {store.root}")
+        return 0
+    if args.status:
+        table = table[table["status"] == args.status]
+    with pd.option_context("display.max_rows", None, "display.width", 200, "display.max_columns", None):
+        print(table.drop(columns=[c for c in ("error",) if c in table]).to_string(index=False))
+    counts = table["status"].value_counts().to_dict()
+    print(f"{len(table)} runs in {store.root}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    try:
+        out = study.render_report(args.profile)
+    except FileNotFoundError as exc:
+        print(f"stabstudy report: error: {exc}", file=sys.stderr)
+        return 2
+    for p in out:
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="stabstudy", description="Perturbation auditing of training stability.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("study", help="execute the study notebooks in order with papermill",
+                       description="Execute the notebooks in order under a profile; executed copies go to build/<profile>/.")
+    p.add_argument("--profile", choices=study.PROFILES, default="quick",
+                   help="parameter set: smoke (CI, minutes), quick (make study, <30 min on 2 cores), paper (hours)")
+    p.add_argument("--only", nargs="+", metavar="NB", help="notebook numbers or names, e.g. --only 00 01")
+    p.add_argument("--scheduler", default=None,
+                   help="Dask scheduler address (default: $STABSTUDY_SCHEDULER, else an embedded LocalCluster)")
+    p.set_defaults(func=_cmd_study)
+
+    p = sub.add_parser("runs", help="list stored runs as a table", description="List stored runs (data/runs).")
+    p.add_argument("--status", choices=("ok", "diverged", "failed", "corrupt"), help="only runs with this status")
+    p.add_argument("--data", help="run store folder (default: data/runs)")
+    p.set_defaults(func=_cmd_runs)
+
+    p = sub.add_parser("report", help="render executed notebooks to HTML",
+                       description="Render build/<profile>/*.ipynb to HTML.")
+    p.add_argument("--profile", choices=study.PROFILES, default="quick")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""The one place that defines where things live (repo-rooted, never ``../data``).
+
+``STABSTUDY_ROOT`` overrides the project root; ``STABSTUDY_DATA`` overrides the
+data folder (tests point it at a temporary directory).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PKG = Path(__file__).resolve().parent
+
+
+def root() -> Path:
+    """Project root: ``$STABSTUDY_ROOT``, else the checkout holding this package, else the cwd."""
+    env = os.environ.get("STABSTUDY_ROOT")
+    if env:
+        return Path(env).resolve()
+    if (_PKG.parent / "pyproject.toml").exists():
+        return _PKG.parent
+    return Path.cwd()
+
+
+def data_dir() -> Path:
+    env = os.environ.get("STABSTUDY_DATA")
+    return Path(env).resolve() if env else root() / "data"
+
+
+def runs_dir() -> Path:
+    """Where the run store keeps one netCDF file per run."""
+    return data_dir() / "runs"
+
+
+def figures_dir(notebook: str | None = None) -> Path:
+    env = os.environ.get("STABSTUDY_FIGURES")
+    base = Path(env).resolve() if env else root() / "figures"
+    return base / notebook if notebook else base
+
+
+def notebooks_dir() -> Path:
+    return root() / "notebooks"
+
+
+def build_dir() -> Path:
+    """Executed notebook copies and rendered reports (gitignored)."""
+    return root() / "build"
+
+
+def profiles_dir() -> Path:
+    return _PKG / "profiles"

@@ -1,0 +1,224 @@
+"""Run a grid of specs on Dask, store every run, survive failures and interruptions.
+
+``run_grid(specs)`` skips runs already stored (readable files with status ok,
+diverged, or failed unless ``retry_failed``), recomputes corrupt files, runs the
+rest on a ``dask.distributed`` cluster and writes each result atomically from
+the client as it completes. Learners run on workers and return Datasets; they
+know nothing of Dask or the store.
+
+Scheduler choice (first that applies): the ``scheduler`` argument, the
+``STABSTUDY_SCHEDULER`` environment variable, else an embedded
+``LocalCluster`` with one single-threaded worker process per core.
+``scheduler="serial"`` runs in this process without Dask (debugging, tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import random
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import xarray as xr
+from tqdm.auto import tqdm
+
+from stabstudy.spec import RunSpec
+from stabstudy.store import CorruptRunError, RunStore
+
+log = logging.getLogger(__name__)
+
+#: Domain -> "module:function" implementing ``run(spec) -> xr.Dataset``.
+LEARNER_ENTRY: dict[str, str] = {
+    "toy": "stabstudy.toy:run",
+    "rl": "stabstudy.rl:run",
+    "lm": "stabstudy.lm:run",
+}
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """Outcome of one spec in a grid."""
+
+    spec: RunSpec
+    status: str
+    """``ok`` | ``diverged`` | ``failed``."""
+    cached: bool
+    wall_time_s: float
+    error: str = ""
+
+
+def learner_for(domain: str) -> Callable[[RunSpec], xr.Dataset]:
+    """Import the learner function of ``domain``."""
+    if domain not in LEARNER_ENTRY:
+        raise ValueError(f"no learner for domain {domain!r}; valid domains: {', '.join(LEARNER_ENTRY)}")
+    mod, fn = LEARNER_ENTRY[domain].split(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch global generators (learners seed their own too)."""
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def execute(spec: RunSpec, threads: int | None = None) -> tuple[xr.Dataset | None, str, str, float]:
+    """Run one spec, never raising: ``(dataset, status, error, wall_time_s)``.
+
+    ``threads`` pins torch's intra-op threads (workers use 1 so N workers use N
+    cores without oversubscription).
+    """
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    try:
+        seed_everything(spec.seed)
+        ds = learner_for(spec.domain)(spec)
+        if not isinstance(ds, xr.Dataset):
+            raise TypeError(f"learner for domain {spec.domain!r} returned {type(ds).__name__}, not xarray.Dataset")
+        status = str(ds.attrs.get("status", "ok"))
+        if status not in ("ok", "diverged"):
+            raise ValueError(f"learner returned status {status!r}; learners return 'ok' or 'diverged'")
+        return ds, status, "", time.perf_counter() - t0
+    except Exception:  # a run that raises is data: stored as failed, the grid goes on
+        return None, "failed", traceback.format_exc(), time.perf_counter() - t0
+
+
+def _worker_task(spec: RunSpec) -> tuple[xr.Dataset | None, str, str, float]:
+    return execute(spec, threads=1)
+
+
+def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False) -> list[RunSpec]:
+    """Specs that still need running: absent, corrupt, or failed when ``retry_failed``."""
+    todo = []
+    for spec in specs:
+        st = store.status(spec)
+        if st == "corrupt":
+            log.warning("stored run %s is corrupt; recomputing", store.path(spec))
+            print(f"stabstudy: stored run {store.path(spec).name} is corrupt; recomputing {spec.label}")
+        if st is None or st == "corrupt" or (st == "failed" and retry_failed):
+            todo.append(spec)
+    return todo
+
+
+_CLUSTERS: dict[str, object] = {}
+
+
+def get_client(scheduler: str | None = None, n_workers: int | None = None):
+    """A ``distributed.Client``: to ``scheduler`` if given, else an embedded LocalCluster (reused)."""
+    from distributed import Client, LocalCluster
+
+    address = scheduler or os.environ.get("STABSTUDY_SCHEDULER") or None
+    key = address or f"local:{n_workers}"
+    client = _CLUSTERS.get(key)
+    if client is not None and client.status == "running":
+        return client
+    if address:
+        client = Client(address)
+    else:
+        n = n_workers or os.cpu_count() or 1
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+                               silence_logs=logging.ERROR)
+        client = Client(cluster)
+    _CLUSTERS[key] = client
+    return client
+
+
+def close_clients() -> None:
+    """Close every client and embedded cluster this process started."""
+    for client in list(_CLUSTERS.values()):
+        cluster = getattr(client, "cluster", None)
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    _CLUSTERS.clear()
+
+
+def _store_result(store: RunStore, spec: RunSpec, result: tuple) -> RunRecord:
+    ds, status, error, wall = result
+    if status == "failed":
+        store.save_failed(spec, error, wall)
+        print(f"stabstudy: run {spec.label} failed; traceback stored in {store.path(spec).name}:\n"
+              + error.strip().splitlines()[-1])
+    else:
+        store.save(ds, spec, status, wall)
+    return RunRecord(spec, status, False, wall, error)
+
+
+def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunStore | None = None, *,
+             progress: bool = True, retry_failed: bool = False, n_workers: int | None = None) -> list[RunRecord]:
+    """Run every spec not yet stored and return one :class:`RunRecord` per distinct spec.
+
+    Args:
+        specs: the grid; duplicates (same hash) run once.
+        scheduler: Dask scheduler address, ``"serial"`` for in-process execution,
+            or None for ``$STABSTUDY_SCHEDULER`` / an embedded LocalCluster.
+        store: where runs live (default ``data/runs``).
+        progress: show a tqdm bar of runs done / total.
+        retry_failed: rerun specs stored as failed.
+        n_workers: LocalCluster size (default: one per core).
+
+    Ctrl-C cancels outstanding runs; finished runs stay stored (each written
+    atomically), so calling again resumes.
+    """
+    store = store or RunStore()
+    specs = list({s.spec_hash: s for s in specs}.values())
+    for s in specs:
+        if not isinstance(s, RunSpec):
+            raise TypeError(f"run_grid takes RunSpec objects, got {type(s).__name__}")
+    todo = {s.spec_hash for s in pending(specs, store, retry_failed)}
+    records: dict[str, RunRecord] = {}
+    for s in specs:
+        if s.spec_hash not in todo:
+            records[s.spec_hash] = RunRecord(s, store.status(s) or "ok", True, 0.0)
+    work = [s for s in specs if s.spec_hash in todo]
+    bar = tqdm(total=len(specs), initial=len(specs) - len(work), desc="runs", unit="run", disable=not progress)
+    try:
+        if not work:
+            pass
+        elif (scheduler or os.environ.get("STABSTUDY_SCHEDULER")) == "serial":
+            for s in work:
+                records[s.spec_hash] = _store_result(store, s, execute(s))
+                bar.update()
+        else:
+            from distributed import as_completed
+
+            client = get_client(None if scheduler == "serial" else scheduler, n_workers)
+            futures = {client.submit(_worker_task, s, key=f"run-{s.spec_hash}", pure=False): s for s in work}
+            try:
+                for fut in as_completed(futures):
+                    s = futures[fut]
+                    try:
+                        result = fut.result()
+                    except Exception:  # a worker died (e.g. out of memory): record, go on
+                        result = (None, "failed", traceback.format_exc(), float("nan"))
+                    records[s.spec_hash] = _store_result(store, s, result)
+                    bar.update()
+            except BaseException:
+                client.cancel(list(futures))
+                raise
+    finally:
+        bar.close()
+    return [records[s.spec_hash] for s in specs]
+
+
+def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
+    """Counts by status plus ``cached``."""
+    out: dict[str, int] = {"ok": 0, "diverged": 0, "failed": 0, "cached": 0}
+    for r in records:
+        out[r.status] = out.get(r.status, 0) + 1
+        out["cached"] += int(r.cached)
+    return out
+
+
+__all__ = ["RunRecord", "run_grid", "execute", "pending", "get_client", "close_clients", "summarize",
+           "learner_for", "seed_everything", "CorruptRunError", "LEARNER_ENTRY"]

@@ -1,0 +1,283 @@
+"""The run store: one netCDF file per run, written atomically, keyed by spec hash.
+
+Schema (the contract between notebooks, see DESIGN.md): dimension ``step``,
+the shared channels always present (NaN where a learner cannot measure them),
+provenance attributes (strings and numbers only). Failed runs are stored too,
+as records with no steps and the traceback in ``error``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import json
+import os
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from stabstudy import __version__, paths
+from stabstudy.perturb import Schedule
+from stabstudy.spec import RunSpec
+
+#: Channels every run carries (NaN where the learner cannot measure them).
+SHARED_CHANNELS: tuple[str, ...] = (
+    "loss", "perf", "grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
+    "adam_m_norm", "adam_v_mean", "adam_eps_frac", "lambda_max", "lr", "perturbed", "intervened",
+)
+STATUSES = ("ok", "diverged", "failed")
+ENGINE = "netcdf4"
+
+
+class CorruptRunError(RuntimeError):
+    """A stored run file exists but cannot be read or does not match its name."""
+
+
+@functools.cache
+def git_commit() -> str:
+    """Commit of the checkout holding the code (``+dirty`` when it has changes), or ``unknown``."""
+    try:
+        root = paths.root()
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:  # pragma: no cover
+        return "none"
+
+
+def conform(ds: xr.Dataset, spec: RunSpec) -> xr.Dataset:
+    """Bring a learner's Dataset to the shared schema.
+
+    Adds missing shared channels as NaN, the ``perturbed`` channel from the
+    spec's schedule when the learner did not record it, and casts booleans to
+    floats (netCDF has no bool).
+    """
+    if "step" not in ds.dims:
+        raise ValueError(f"learner for {spec.label} returned a Dataset without a 'step' dimension: dims {dict(ds.sizes)}")
+    ds = ds.copy()
+    n = ds.sizes["step"]
+    if "step" not in ds.coords:
+        ds = ds.assign_coords(step=np.arange(n))
+    if "perturbed" not in ds:
+        unit = "env_step" if "env_step" in ds.coords and spec.domain == "rl" else "step"
+        ds["perturbed"] = ("step", Schedule(spec.perturbations).mask(ds[unit].values))
+    for name in SHARED_CHANNELS:
+        if name not in ds:
+            ds[name] = ("step", np.full(n, np.nan))
+    for name, var in ds.data_vars.items():
+        if var.dtype == bool:
+            ds[name] = var.astype("float64")
+    return ds
+
+
+def _clean_attrs(attrs: dict) -> dict:
+    out = {}
+    for k, v in attrs.items():
+        if isinstance(v, bool | np.bool_):
+            v = int(v)
+        elif v is None:
+            v = ""
+        elif isinstance(v, dict | list | tuple):
+            v = json.dumps(v)
+        elif not isinstance(v, str | int | float | np.integer | np.floating):
+            v = str(v)
+        out[k] = v
+    return out
+
+
+def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "") -> dict:
+    """Provenance attributes of a stored run (DESIGN.md)."""
+    if status not in STATUSES:
+        raise ValueError(f"unknown status {status!r}; valid: {', '.join(STATUSES)}")
+    return {
+        "spec": spec.to_json(),
+        "spec_hash": spec.spec_hash,
+        "domain": spec.domain,
+        "learner": spec.learner,
+        "perturbation": json.dumps([p.to_dict() for p in spec.perturbations]),
+        "seed": spec.seed,
+        "stabstudy_version": __version__,
+        "git_commit": git_commit(),
+        "torch_version": _torch_version(),
+        "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "wall_time_s": float(wall_time_s),
+        "status": status,
+        "error": error,
+    }
+
+
+@dataclass
+class RunStore:
+    """A folder of ``<spec_hash>.nc`` files. Defaults to ``data/runs``."""
+
+    root: Path | str | None = None
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root) if self.root is not None else paths.runs_dir()
+
+    def path(self, spec_or_hash: RunSpec | str) -> Path:
+        h = spec_or_hash.spec_hash if isinstance(spec_or_hash, RunSpec) else spec_or_hash
+        return Path(self.root) / f"{h}.nc"
+
+    def save(self, ds: xr.Dataset, spec: RunSpec, status: str, wall_time_s: float, error: str = "",
+             extra_attrs: dict | None = None) -> Path:
+        """Write a run atomically: a temporary file in the same folder, then ``os.replace``."""
+        ds = conform(ds, spec) if status != "failed" else ds
+        ds.attrs = _clean_attrs({**ds.attrs, **(extra_attrs or {}), **provenance(spec, status, wall_time_s, error)})
+        for var in ds.variables.values():
+            var.attrs = _clean_attrs(var.attrs)
+        target = self.path(spec)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{spec.spec_hash}.", suffix=".nc.tmp", dir=target.parent)
+        os.close(fd)
+        try:
+            ds.to_netcdf(tmp, engine=ENGINE)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return target
+
+    def save_failed(self, spec: RunSpec, error: str, wall_time_s: float) -> Path:
+        """Store a run that raised: no steps, its traceback in ``error``."""
+        empty = xr.Dataset(coords={"step": np.arange(0)})
+        return self.save(empty, spec, "failed", wall_time_s, error=error)
+
+    def load(self, spec_or_hash: RunSpec | str) -> xr.Dataset:
+        """Load one run fully into memory; raise :class:`CorruptRunError` if unreadable or mismatched."""
+        p = self.path(spec_or_hash)
+        want = spec_or_hash.spec_hash if isinstance(spec_or_hash, RunSpec) else spec_or_hash
+        if not p.exists():
+            raise FileNotFoundError(f"no stored run {want} at {p}")
+        try:
+            with xr.open_dataset(p, engine=ENGINE) as f:
+                ds = f.load()
+        except Exception as exc:  # netCDF4 raises OSError, RuntimeError, ValueError on damage
+            raise CorruptRunError(f"run file {p} is unreadable ({type(exc).__name__}: {exc})") from exc
+        if ds.attrs.get("spec_hash") != want or ds.attrs.get("status") not in STATUSES:
+            raise CorruptRunError(f"run file {p} does not hold run {want} (attrs spec_hash="
+                                  f"{ds.attrs.get('spec_hash')!r}, status={ds.attrs.get('status')!r})")
+        return ds
+
+    def status(self, spec_or_hash: RunSpec | str) -> str | None:
+        """``ok`` / ``diverged`` / ``failed`` for a readable stored run, ``corrupt``, or None if absent."""
+        if not self.path(spec_or_hash).exists():
+            return None
+        try:
+            return str(self.load(spec_or_hash).attrs["status"])
+        except CorruptRunError:
+            return "corrupt"
+
+    def hashes(self) -> list[str]:
+        return sorted(p.stem for p in Path(self.root).glob("*.nc"))
+
+    def table(self) -> pd.DataFrame:
+        """One row per stored file: hash, status, domain, learner, task, seed, perturbation, steps, wall time."""
+        rows = []
+        for h in self.hashes():
+            try:
+                ds = self.load(h)
+            except CorruptRunError as exc:
+                rows.append({"spec_hash": h, "status": "corrupt", "error": str(exc)})
+                continue
+            spec = RunSpec.from_json(ds.attrs["spec"])
+            rows.append({
+                "spec_hash": h, "status": ds.attrs["status"], "domain": spec.domain, "learner": spec.learner,
+                "task": spec.task, "seed": spec.seed,
+                "perturbation": ",".join(f"{p.kind}x{p.dose:g}@{p.start}" for p in spec.perturbations) or "none",
+                "steps": int(ds.sizes.get("step", 0)), "wall_time_s": round(float(ds.attrs.get("wall_time_s", np.nan)), 1),
+                "created_utc": ds.attrs.get("created_utc", ""),
+            })
+        return pd.DataFrame(rows)
+
+
+def run_coords(spec: RunSpec) -> dict[str, object]:
+    """Grid coordinates of one run along the ``run`` dimension."""
+    p = spec.perturbations[0] if spec.perturbations else None
+    coords: dict[str, object] = {
+        "spec_hash": spec.spec_hash, "domain": spec.domain, "learner": spec.learner, "task": spec.task,
+        "seed": spec.seed,
+        "pert_kind": p.kind if p else "none",
+        "pert_dose": p.dose if p else np.nan,
+        "pert_start": p.start if p else np.nan,
+        "pert_duration": p.duration if p else np.nan,
+    }
+    for k, v in spec.hp.items():
+        coords[f"hp_{k}"] = json.dumps(v) if isinstance(v, list) else v
+    return coords
+
+
+def load_runs(specs: Iterable[RunSpec], store: RunStore | None = None, *, include_failed: bool = True,
+              missing: str = "raise") -> xr.Dataset:
+    """Load stored runs into one Dataset with dims ``(run, step)``.
+
+    Runs of different length are aligned on ``step`` (NaN-padded). Coordinates
+    along ``run`` come from :func:`run_coords` plus ``status``; hyperparameters
+    absent from some specs are NaN there. ``missing``: ``"raise"`` or ``"skip"``
+    runs that are not stored.
+    """
+    if missing not in ("raise", "skip"):
+        raise ValueError(f"missing must be 'raise' or 'skip', got {missing!r}")
+    store = store or RunStore()
+    specs = list(dict.fromkeys(specs))
+    loaded: list[tuple[xr.Dataset, dict]] = []
+    for spec in specs:
+        try:
+            ds = store.load(spec)
+        except FileNotFoundError:
+            if missing == "skip":
+                continue
+            raise
+        if ds.attrs["status"] == "failed" and not include_failed:
+            continue
+        coords = run_coords(spec)
+        coords["status"] = ds.attrs["status"]
+        loaded.append((ds, coords))
+    if not loaded:
+        raise ValueError("load_runs: none of the given specs is stored; run them with run_grid first")
+    # Hyperparameters absent from some specs become NaN there, so every run has every coordinate.
+    keys = list(dict.fromkeys(k for _, c in loaded for k in c))
+    parts = [
+        ds.expand_dims(run=[c["spec_hash"]]).assign_coords({k: ("run", [c.get(k, np.nan)]) for k in keys if k != "spec_hash"})
+        for ds, c in loaded
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        out = xr.concat(parts, dim="run", join="outer", combine_attrs="drop", coords="different",
+                        compat="equals", fill_value=np.nan)
+    return out
+
+
+def load_spec(ds: xr.Dataset) -> RunSpec:
+    """The RunSpec stored in a single run's attributes."""
+    return RunSpec.from_json(ds.attrs["spec"])
+
+
+def stored_specs(store: RunStore | None = None) -> Sequence[RunSpec]:
+    """Specs of every readable stored run."""
+    store = store or RunStore()
+    out = []
+    for h in store.hashes():
+        try:
+            out.append(load_spec(store.load(h)))
+        except CorruptRunError:
+            continue
+    return out
