@@ -1,0 +1,70 @@
+"""Notebooks: stored stripped with one literal parameters cell; every one runs under smoke."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from stabstudy import paths, study
+
+NOTEBOOKS = study.notebooks()
+
+
+def _parameters_cell(nb_path: Path) -> str:
+    cells = json.loads(nb_path.read_text())["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    assert len(tagged) == 1, f"{nb_path.name}: {len(tagged)} cells tagged 'parameters' (want 1)"
+    src = tagged[0]["source"]
+    return "".join(src) if isinstance(src, list) else src
+
+
+def notebook_parameters(nb_path: Path) -> dict:
+    """Names and literal values of the parameters cell (raises if a value is not a literal)."""
+    out = {}
+    for node in ast.parse(_parameters_cell(nb_path)).body:
+        assert isinstance(node, ast.Assign) and len(node.targets) == 1, \
+            f"{nb_path.name}: parameters cell must hold plain `name = literal` lines"
+        out[node.targets[0].id] = ast.literal_eval(node.value)
+    return out
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks/NN_*.ipynb found"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_stored_stripped_with_literal_parameters(nb):
+    cells = json.loads(nb.read_text())["cells"]
+    assert not [c for c in cells if c.get("outputs")], f"{nb.name} has stored outputs: run `make strip`"
+    assert not [c for c in cells if c.get("execution_count")], f"{nb.name} has execution counts"
+    params = notebook_parameters(nb)
+    assert {"profile", "scheduler"} <= set(params), f"{nb.name}: parameters must include profile and scheduler"
+
+
+@pytest.mark.parametrize("profile", study.PROFILES)
+def test_profile_keys_match_notebook_parameters(profile):
+    prof = study.load_profile(profile)
+    stems = {p.stem for p in NOTEBOOKS}
+    assert set(prof) <= stems | {k for k in prof if not prof[k]}, f"{profile}.yaml names unknown notebooks"
+    for nb in NOTEBOOKS:
+        unknown = set(prof.get(nb.stem, {})) - set(notebook_parameters(nb))
+        assert not unknown, f"{profile}.yaml sets {sorted(unknown)} that {nb.name} does not declare"
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch):
+    """The real study code path with tiny sizes, from scratch, on the embedded LocalCluster."""
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
+    monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path / "figures"))
+    study.run_study("smoke", only=[nb.stem], out_dir=tmp_path / "build")
+    executed = json.loads((tmp_path / "build" / nb.name).read_text())
+    errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    figures = list((tmp_path / "figures" / nb.stem).glob("*.png"))
+    assert figures, f"{nb.stem} wrote no figure into figures/{nb.stem}/"
+    assert list((tmp_path / "data" / "runs").glob("*.nc")), f"{nb.stem} stored no run"
+    assert paths.figures_dir(nb.stem) == tmp_path / "figures" / nb.stem

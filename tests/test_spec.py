@@ -1,0 +1,99 @@
+import pickle
+
+import pytest
+
+from stabstudy.perturb import KINDS, Schedule, check_kind
+from stabstudy.spec import LEARNERS, Perturbation, RunSpec
+
+
+def spec(**kw):
+    base = dict(domain="rl", learner="ppo", task="HalfCheetah-v5", steps=10_000, seed=0,
+                hparams={"lr": 3e-4, "net": [64, 64]},
+                perturbations=(Perturbation("lr_spike", start=2000, duration=100, dose=10.0),))
+    base.update(kw)
+    return RunSpec(**base)
+
+
+def test_hash_is_stable_and_content_keyed():
+    a, b = spec(), spec()
+    assert a.spec_hash == b.spec_hash and len(a.spec_hash) == 16
+    # dict order does not matter, values do
+    assert spec(hparams={"net": [64, 64], "lr": 3e-4}).spec_hash == a.spec_hash
+    assert spec(seed=1).spec_hash != a.spec_hash
+    assert spec(hparams={"lr": 1e-3, "net": [64, 64]}).spec_hash != a.spec_hash
+    assert spec(perturbations=()).spec_hash != a.spec_hash
+    # the hash is of the canonical JSON, so it survives a round trip and pickling (Dask)
+    assert RunSpec.from_json(a.to_json()) == a
+    assert pickle.loads(pickle.dumps(a)).spec_hash == a.spec_hash
+
+
+def test_hash_is_pinned():
+    # A change to the canonical form silently orphans every stored run: make it loud.
+    s = RunSpec("toy", "gd", "digits", 100, 0, {"lr": 0.1})
+    assert s.spec_hash == "8cffb4a43bec0f25"
+    assert s.to_json() == ('{"curvature_every":0,"domain":"toy","eval_every":0,"hparams":{"lr":0.1},'
+                           '"learner":"gd","log_every":1,"perturbations":[],"seed":0,"steps":100,"task":"digits"}')
+
+
+def test_hparams_views_and_replace():
+    s = spec()
+    assert s.hp == {"lr": 3e-4, "net": [64, 64]}
+    assert s.get("missing", 5) == 5
+    r = s.replace(hparams={"lr": 1e-3})
+    assert r.hp == {"lr": 1e-3, "net": [64, 64]}
+    assert s.label.startswith("ppo/HalfCheetah-v5 s0 lr_spike x10@2000")
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(domain="vision"), "valid domains: toy, rl, lm"),
+    (dict(learner="dqn"), "valid learners: ppo, sac, td3, a2c, ddpg"),
+    (dict(steps=-5), "steps must be positive"),
+    (dict(steps=0), "steps must be positive"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(log_every=0), "log_every"),
+    (dict(perturbations=(Perturbation("lr_spike", 9_990, duration=100),)), "outside the run"),
+    (dict(perturbations=(Perturbation("outlier_batch", 10),)), "kinds valid for 'rl'"),
+    (dict(hparams={"lr": float("nan")}), "finite"),
+    (dict(task=""), "task"),
+])
+def test_invalid_specs_name_the_valid_choices(kw, match):
+    with pytest.raises(ValueError, match=match):
+        spec(**kw)
+
+
+def test_invalid_types():
+    with pytest.raises(TypeError, match="steps must be an int"):
+        spec(steps=10.5)
+    with pytest.raises(TypeError, match="hyperparameter values"):
+        spec(hparams={"f": object()})
+
+
+def test_perturbation_validation():
+    with pytest.raises(ValueError, match="valid kinds: .*lr_spike"):
+        Perturbation("lr_spik", 1)
+    with pytest.raises(ValueError, match="start"):
+        Perturbation("lr_spike", -1)
+    with pytest.raises(ValueError, match="duration"):
+        Perturbation("lr_spike", 1, duration=0)
+    with pytest.raises(ValueError, match="dose"):
+        Perturbation("lr_spike", 1, dose=-2)
+    p = Perturbation.from_dict({"kind": "reinit_layer", "start": 3, "params": {"layer": "0"}})
+    assert p.p == {"layer": "0"} and p.dimension == "parametric" and p.end == 4
+
+
+def test_every_kind_has_a_dimension_and_domain():
+    for name, k in KINDS.items():
+        assert k.dimension in ("optimization", "environment-data", "parametric", "learning-signal"), name
+        assert set(k.domains) <= set(LEARNERS)
+    with pytest.raises(ValueError, match="does not apply to domain 'lm'"):
+        check_kind("reward_scale", "lm")
+
+
+def test_schedule_windows():
+    sched = Schedule([Perturbation("lr_spike", 5, duration=3, dose=10.0),
+                      Perturbation("lr_spike", 6, duration=1, dose=2.0),
+                      Perturbation("weight_noise", 8, dose=0.1)])
+    assert [sched.lr_factor(s) for s in range(4, 10)] == [1.0, 10.0, 20.0, 10.0, 1.0, 1.0]
+    assert sched.mask(range(4, 10)).tolist() == [0, 1, 1, 1, 1, 0]
+    assert [p.kind for p in sched.starts_at(8)] == ["weight_noise"]
+    assert sched.of_kind("weight_noise", 9) is None

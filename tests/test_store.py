@@ -1,0 +1,104 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.store import SHARED_CHANNELS, CorruptRunError, load_runs
+
+
+def toy_spec(seed=0, **hp):
+    return RunSpec("toy", "gd", "digits", steps=12, seed=seed, hparams={"lr": 0.1, **hp})
+
+
+def trajectory(n=12, **extra):
+    data = {"loss": ("step", np.linspace(2, 1, n)), "grad_norm": ("step", np.ones(n))}
+    data.update({k: ("step", v) for k, v in extra.items()})
+    return xr.Dataset(data, coords={"step": np.arange(n)})
+
+
+def test_save_load_roundtrip_with_provenance(tmp_store):
+    s = RunSpec("toy", "adam", "digits", 12, 3, {"lr": 0.01, "betas": [0.9, 0.99]},
+                (Perturbation("lr_spike", 4, duration=2, dose=10.0),))
+    path = tmp_store.save(trajectory(), s, "ok", wall_time_s=1.5)
+    assert path == tmp_store.path(s) and path.name == f"{s.spec_hash}.nc"
+    ds = tmp_store.load(s)
+    for attr in ("spec", "spec_hash", "domain", "perturbation", "seed", "stabstudy_version", "git_commit",
+                 "torch_version", "created_utc", "wall_time_s", "status"):
+        assert attr in ds.attrs, attr
+    assert RunSpec.from_json(ds.attrs["spec"]) == s
+    assert json.loads(ds.attrs["perturbation"])[0]["kind"] == "lr_spike"
+    assert ds.attrs["status"] == "ok" and ds.attrs["seed"] == 3
+    # every shared channel exists; unmeasured ones are NaN, and `perturbed` follows the schedule
+    for name in SHARED_CHANNELS:
+        assert name in ds, name
+    assert np.isnan(ds["lambda_max"]).all()
+    assert ds["perturbed"].values.tolist() == [0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]
+    np.testing.assert_allclose(ds["loss"], np.linspace(2, 1, 12))
+
+
+def test_write_is_atomic_when_interrupted(tmp_store, monkeypatch):
+    s = toy_spec()
+
+    def boom(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", boom)
+    with pytest.raises(KeyboardInterrupt):
+        tmp_store.save(trajectory(), s, "ok", 0.0)
+    assert not tmp_store.path(s).exists()
+    assert os.listdir(tmp_store.root) == []  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_hash"])
+def test_corrupt_files_are_detected(tmp_store, damage):
+    s = toy_spec()
+    p = tmp_store.save(trajectory(), s, "ok", 0.0)
+    if damage == "truncate":
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    elif damage == "garbage":
+        p.write_bytes(b"not a netcdf file")
+    else:
+        other = toy_spec(seed=9)
+        tmp_store.save(trajectory(), other, "ok", 0.0)
+        os.replace(tmp_store.path(other), p)
+    with pytest.raises(CorruptRunError):
+        tmp_store.load(s)
+    assert tmp_store.status(s) == "corrupt"
+    assert tmp_store.table().set_index("spec_hash").loc[s.spec_hash, "status"] == "corrupt"
+
+
+def test_failed_record(tmp_store):
+    s = toy_spec()
+    tmp_store.save_failed(s, "Traceback ...\nValueError: boom", 0.2)
+    ds = tmp_store.load(s)
+    assert ds.attrs["status"] == "failed" and "ValueError: boom" in ds.attrs["error"]
+    assert ds.sizes["step"] == 0
+
+
+def test_load_runs_aligns_runs_and_grid_coords(tmp_store):
+    a = toy_spec(seed=0)
+    b = RunSpec("toy", "adam", "digits", 15, 1, {"lr": 0.1, "beta2": 0.95},
+                (Perturbation("lr_spike", 3, duration=2, dose=10.0),))
+    tmp_store.save(trajectory(12, only_a=np.ones(12)), a, "ok", 0.0)
+    tmp_store.save(trajectory(15), b, "diverged", 0.0)
+    ds = load_runs([a, b, a], store=tmp_store)
+    assert ds.sizes == {"run": 2, "step": 15}
+    assert ds["run"].values.tolist() == [a.spec_hash, b.spec_hash]
+    assert ds["learner"].values.tolist() == ["gd", "adam"]
+    assert ds["status"].values.tolist() == ["ok", "diverged"]
+    assert ds["pert_kind"].values.tolist() == ["none", "lr_spike"]
+    assert np.isnan(ds["pert_dose"].values[0]) and ds["pert_dose"].values[1] == 10.0
+    assert np.isnan(ds["hp_beta2"].values[0]) and ds["hp_beta2"].values[1] == 0.95
+    assert np.isnan(ds["loss"].sel(run=a.spec_hash, step=14))  # shorter run is NaN-padded
+    assert np.isnan(ds["only_a"].sel(run=b.spec_hash)).all()
+    with pytest.raises(FileNotFoundError):
+        load_runs([toy_spec(seed=5)], store=tmp_store)
+    assert load_runs([a, toy_spec(seed=5)], store=tmp_store, missing="skip").sizes["run"] == 1
+
+
+def test_conform_rejects_missing_step_dim(tmp_store):
+    with pytest.raises(ValueError, match="'step' dimension"):
+        tmp_store.save(xr.Dataset({"loss": ("t", np.ones(3))}), toy_spec(), "ok", 0.0)
