@@ -126,7 +126,7 @@ def get_client(scheduler: str | None = None, n_workers: int | None = None):
         client = Client(address)
     else:
         n = n_workers or os.cpu_count() or 1
-        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None,
+        cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
                                silence_logs=logging.ERROR)
         client = Client(cluster)
     _CLUSTERS[key] = client

@@ -1,0 +1,101 @@
+"""The runner on real tiny toy runs: cache, resume, failures, corrupt files, a real 2-worker cluster."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from stabstudy import runner
+from stabstudy.runner import run_grid, summarize
+from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.store import load_runs
+
+
+def toy(seed: int = 0, steps: int = 25, **hp) -> RunSpec:
+    return RunSpec("toy", "gd", "digits", steps=steps, seed=seed, hparams={"lr": 0.05, "width": 16, **hp})
+
+
+def test_serial_grid_stores_every_run_and_then_uses_the_cache(tmp_store, monkeypatch):
+    specs = [toy(0), toy(1), toy(0)]  # duplicate runs once
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert [r.status for r in recs] == ["ok", "ok"] and not any(r.cached for r in recs)
+    calls = []
+    monkeypatch.setattr(runner, "execute", lambda s, threads=None: calls.append(s))
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert calls == [] and all(r.cached for r in recs)
+
+
+def test_same_spec_same_trajectory(tmp_store):
+    a, _, _, _ = runner.execute(toy(3))
+    b, _, _, _ = runner.execute(toy(3))
+    c, _, _, _ = runner.execute(toy(4))
+    xr.testing.assert_identical(a[["loss", "grad_norm"]], b[["loss", "grad_norm"]])
+    assert not np.allclose(a["loss"].values, c["loss"].values)
+
+
+def test_failure_is_recorded_and_the_grid_goes_on(tmp_store):
+    bad = toy(0, activation="no-such-activation")
+    good = toy(1)
+    recs = run_grid([bad, good], scheduler="serial", store=tmp_store, progress=False)
+    assert [r.status for r in recs] == ["failed", "ok"]
+    stored = tmp_store.load(bad)
+    assert stored.attrs["status"] == "failed" and "no-such-activation" in stored.attrs["error"]
+    # failed runs are data: not retried unless asked
+    assert run_grid([bad], scheduler="serial", store=tmp_store, progress=False)[0].cached
+    assert not run_grid([bad], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)[0].cached
+
+
+def test_interrupt_leaves_no_partial_file_and_rerun_resumes(tmp_store, monkeypatch):
+    specs = [toy(s) for s in range(3)]
+    real = runner.execute
+    seen = []
+
+    def interrupted(spec, threads=None):
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+        seen.append(spec)
+        return real(spec, threads)
+
+    monkeypatch.setattr(runner, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert sorted(p.name for p in tmp_store.root.iterdir()) == [f"{specs[0].spec_hash}.nc"]
+    monkeypatch.setattr(runner, "execute", real)
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert [r.cached for r in recs] == [True, False, False]
+
+
+def test_corrupt_file_is_recomputed(tmp_store, capsys):
+    s = toy(0)
+    run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    good = tmp_store.load(s)
+    tmp_store.path(s).write_bytes(tmp_store.path(s).read_bytes()[:200])
+    recs = run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert not recs[0].cached and "corrupt" in capsys.readouterr().out
+    np.testing.assert_array_equal(tmp_store.load(s)["loss"].values, good["loss"].values)
+
+
+def test_diverged_run_is_data(tmp_store):
+    s = toy(0, steps=40, lr=50.0)
+    rec = run_grid([s], scheduler="serial", store=tmp_store, progress=False)[0]
+    assert rec.status == "diverged"
+    ds = tmp_store.load(s)
+    assert ds.attrs["status"] == "diverged" and ds.sizes["step"] >= 1
+
+
+def test_two_worker_local_cluster_matches_serial(tmp_store, tmp_path):
+    from stabstudy.store import RunStore
+
+    specs = [toy(s) for s in range(3)] + [
+        toy(0).replace(perturbations=(Perturbation("lr_spike", 10, duration=3, dose=5.0),))]
+    try:
+        recs = run_grid(specs, store=tmp_store, progress=False, n_workers=2)
+    finally:
+        runner.close_clients()
+    assert summarize(recs)["ok"] == 4
+    serial = RunStore(tmp_path / "serial")
+    run_grid(specs, scheduler="serial", store=serial, progress=False)
+    a, b = load_runs(specs, store=tmp_store), load_runs(specs, store=serial)
+    np.testing.assert_array_equal(a["loss"].values, b["loss"].values)
+    assert (a["perturbed"].sel(run=specs[-1].spec_hash).sum() == 3)
