@@ -1,0 +1,326 @@
+"""Monitor channels against values computed by hand (numpy) on a tiny linear model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stabstudy.telemetry import Monitor, gradient_coherence
+
+W0 = np.array([[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]])
+B0 = np.array([0.2, -0.1])
+X = np.array([[1.0, 2.0, -1.0], [0.5, -0.5, 0.3], [-1.2, 0.7, 2.0], [0.0, 1.0, 1.0]])
+Y = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
+
+
+def make_linear() -> torch.nn.Linear:
+    lin = torch.nn.Linear(3, 2).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor(W0))
+        lin.bias.copy_(torch.tensor(B0))
+    return lin
+
+
+def np_grad(W: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Flat gradient [dW (row-major), db] of mean((XW^T + b - Y)^2)."""
+    out = X @ W.T + b
+    d = 2.0 * (out - Y) / out.size
+    return np.concatenate([(d.T @ X).ravel(), d.sum(0)])
+
+
+def split(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return w[:6].reshape(2, 3), w[6:]
+
+
+def torch_steps(lin, opt, n, mon=None, log=True):
+    x, y = torch.tensor(X), torch.tensor(Y)
+    for _ in range(n):
+        opt.zero_grad()
+        loss = ((lin(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        if mon is not None and log:
+            mon.log(loss=loss)
+
+
+def cos(a, b):
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def test_sgd_channels_by_hand():
+    lin = make_linear()
+    lr = 0.1
+    opt = torch.optim.SGD(lin.parameters(), lr=lr)
+    mon = Monitor(lin, opt)
+    torch_steps(lin, opt, 2, mon)
+    ds = mon.to_dataset()
+    mon.close()
+    assert mon.row()["grad_norm"] == ds.grad_norm.values[-1] and mon.row(0)["loss"] == ds.loss.values[0]
+
+    w0 = np.concatenate([W0.ravel(), B0])
+    g0 = np_grad(W0, B0)
+    w1 = w0 - lr * g0
+    g1 = np_grad(*split(w1))
+    assert list(ds.step.values) == [0, 1]
+    assert ds.grad_norm.values == pytest.approx([np.linalg.norm(g0), np.linalg.norm(g1)], rel=1e-6)
+    assert ds.update_norm.values[0] == pytest.approx(lr * np.linalg.norm(g0), rel=1e-6)
+    assert ds.update_ratio.values[0] == pytest.approx(lr * np.linalg.norm(g0) / np.linalg.norm(w0), rel=1e-6)
+    assert ds.update_ratio.values[1] == pytest.approx(lr * np.linalg.norm(g1) / np.linalg.norm(w1), rel=1e-6)
+    assert ds.update_grad_cos.values == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert math.isnan(ds.xgrad.values[0])
+    assert ds.xgrad.values[1] == pytest.approx(cos(g1, g0), abs=1e-6)
+    assert ds.lr.values == pytest.approx([lr, lr])
+    for ch in ("adam_m_norm", "adam_v_mean", "adam_eps_frac"):
+        assert np.isnan(ds[ch].values).all(), ch
+    assert ds.loss.dtype == np.float64 and ds.grad_norm.dtype == np.float64
+    assert "long_name" in ds.grad_norm.attrs and "long_name" in ds.loss.attrs
+
+
+def np_adam(n_steps, lr, b1, b2, eps, wd=0.0, decoupled=False):
+    """Hand-written Adam/AdamW; per step returns (g, w_before, w_after, m_hat, v_hat)."""
+    w = np.concatenate([W0.ravel(), B0])
+    m = np.zeros_like(w)
+    v = np.zeros_like(w)
+    out = []
+    for t in range(1, n_steps + 1):
+        g = np_grad(*split(w))
+        w_before = w.copy()
+        if decoupled:
+            w = w * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g**2
+        m_hat = m / (1 - b1**t)
+        v_hat = v / (1 - b2**t)
+        w = w - lr * m_hat / (np.sqrt(v_hat) + eps)
+        out.append((g, w_before, w.copy(), m_hat, v_hat))
+    return out
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_adam_and_adamw_channels_by_hand(decoupled):
+    lr, b1, b2, eps, wd = 0.05, 0.8, 0.9, 0.3, 0.1
+    lin = make_linear()
+    if decoupled:
+        opt = torch.optim.AdamW(lin.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    else:
+        opt = torch.optim.Adam(lin.parameters(), lr=lr, betas=(b1, b2), eps=eps)
+    mon = Monitor(lin, opt)
+    torch_steps(lin, opt, 3, mon)
+    ds = mon.to_dataset()
+    ref = np_adam(3, lr, b1, b2, eps, wd=wd, decoupled=decoupled)
+    for t, (g, wb, wa, m_hat, v_hat) in enumerate(ref):
+        u = wa - wb
+        assert ds.grad_norm.values[t] == pytest.approx(np.linalg.norm(g), rel=1e-6)
+        assert ds.update_norm.values[t] == pytest.approx(np.linalg.norm(u), rel=1e-6)
+        assert ds.update_ratio.values[t] == pytest.approx(np.linalg.norm(u) / np.linalg.norm(wb), rel=1e-6)
+        assert ds.update_grad_cos.values[t] == pytest.approx(cos(u, -g), abs=1e-6)
+        assert ds.adam_m_norm.values[t] == pytest.approx(np.linalg.norm(m_hat), rel=1e-6)
+        assert ds.adam_v_mean.values[t] == pytest.approx(v_hat.mean(), rel=1e-6)
+        assert ds.adam_eps_frac.values[t] == pytest.approx(np.mean(np.sqrt(v_hat) < eps))
+        if t:
+            assert ds.xgrad.values[t] == pytest.approx(cos(g, ref[t - 1][0]), abs=1e-6)
+    # eps chosen so that the fraction is strictly between 0 and 1 somewhere
+    assert 0 < np.nanmax(ds.adam_eps_frac.values) < 1
+
+
+def two_layer_setup():
+    torch.manual_seed(0)
+    a = torch.nn.Linear(3, 4)
+    b = torch.nn.Linear(4, 2)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = torch.optim.Adam(b.parameters(), lr=0.01)
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    return a, b, opt_a, opt_b, x, y
+
+
+def test_two_optimizers_shared_and_named_channels_with_delayed_second():
+    a, b, opt_a, opt_b, x, y = two_layer_setup()
+    mon = Monitor({"a": a, "b": b}, {"critic": opt_a, "actor": opt_b}, per_layer=True)
+    expected_gn, expected_a, expected_b = [], [], []
+    for i in range(6):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        loss = ((b(torch.tanh(a(x))) - y) ** 2).mean()
+        loss.backward()
+        ga = torch.cat([p.grad.reshape(-1) for p in a.parameters()]).norm().item()
+        gb = torch.cat([p.grad.reshape(-1) for p in b.parameters()]).norm().item()
+        opt_a.step()
+        if i % 2 == 1:  # TD3-style delayed actor update
+            opt_b.step()
+            expected_gn.append(math.hypot(ga, gb))
+            expected_b.append(gb)
+        else:
+            expected_gn.append(ga)
+            expected_b.append(float("nan"))
+        expected_a.append(ga)
+        mon.log(loss=loss)
+    ds = mon.to_dataset()
+    mon.close()
+    assert ds.sizes["step"] == 6
+    np.testing.assert_allclose(ds.grad_norm.values, expected_gn, rtol=1e-5)
+    np.testing.assert_allclose(ds.grad_norm_critic.values, expected_a, rtol=1e-5)
+    np.testing.assert_allclose(ds.grad_norm_actor.values, expected_b, rtol=1e-5)
+    # Adam channels: only the actor (Adam) has them, only on rows where it stepped
+    assert np.isnan(ds.adam_m_norm.values[0::2]).all()
+    assert np.isfinite(ds.adam_m_norm.values[1::2]).all()
+    assert np.isnan(ds.adam_m_norm_critic.values).all()
+    assert np.allclose(ds.lr.values, 0.1) and np.allclose(ds.lr_critic.values, 0.1)
+    assert np.allclose(ds.lr_actor.values[1::2], 0.01)
+    assert ds.layer_grad_norm.dims == ("step", "layer") and ds.sizes["layer"] == 4
+    assert list(ds.layer.values) == ["a.weight", "a.bias", "b.weight", "b.bias"]
+    # per-layer norms recombine to the global norm
+    np.testing.assert_allclose(np.sqrt(np.nansum(ds.layer_grad_norm.values**2, axis=1)), expected_gn, rtol=1e-5)
+
+
+def test_list_of_optimizers_names_and_global_update():
+    a, b, opt_a, opt_b, x, y = two_layer_setup()
+    mon = Monitor([a, b], [opt_a, opt_b])
+    w_before = torch.cat([p.detach().reshape(-1).clone() for p in [*a.parameters(), *b.parameters()]])
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    ((b(torch.tanh(a(x))) - y) ** 2).mean().backward()
+    opt_a.step()
+    opt_b.step()
+    w_after = torch.cat([p.detach().reshape(-1) for p in [*a.parameters(), *b.parameters()]])
+    ds = mon.to_dataset()
+    assert mon.optimizer_names == ["opt0", "opt1"]
+    assert ds.sizes["step"] == 1
+    assert ds.update_norm.values[0] == pytest.approx((w_after - w_before).norm().item(), rel=1e-5)
+    assert ds.update_ratio.values[0] == pytest.approx(((w_after - w_before).norm() / w_before.norm()).item(), rel=1e-5)
+    assert "update_norm_opt0" in ds and "update_norm_opt1" in ds
+
+
+def run_mlp(every, steps=7, per_layer=False):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    mon = Monitor(model, opt, every=every, per_layer=per_layer)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        x, y = torch.randn(16, 5, generator=gen), torch.randn(16, 3, generator=gen)
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        mon.log(loss=loss)
+    return mon.to_dataset()
+
+
+def test_every_n_matches_every_1_where_measured():
+    full = run_mlp(1)
+    sparse = run_mlp(3)
+    assert list(sparse.step.values) == list(range(7))
+    np.testing.assert_allclose(sparse.grad_norm.values, full.grad_norm.values, rtol=1e-6)
+    np.testing.assert_allclose(sparse.lr.values, full.lr.values)
+    measured = np.array([s % 3 == 0 for s in range(7)])
+    for ch in ("xgrad", "update_norm", "update_ratio", "update_grad_cos", "adam_m_norm", "adam_v_mean", "adam_eps_frac"):
+        assert np.isnan(sparse[ch].values[~measured]).all(), ch
+        ok = measured & np.isfinite(full[ch].values)
+        np.testing.assert_allclose(sparse[ch].values[ok], full[ch].values[ok], rtol=1e-5, err_msg=ch)
+    # xgrad at step 3 and 6 still uses the gradient of the step just before
+    assert np.isfinite(sparse.xgrad.values[[3, 6]]).all()
+
+
+def test_per_layer_every_n():
+    ds = run_mlp(2, per_layer=True)
+    assert np.isfinite(ds.layer_grad_norm.values).all()
+    assert np.isfinite(ds.layer_update_ratio.values[0::2]).all()
+    assert np.isnan(ds.layer_update_ratio.values[1::2]).all()
+
+
+def test_log_new_channels_enabled_and_close():
+    lin = make_linear()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt)
+    torch_steps(lin, opt, 2, mon)
+    mon.log(perf=3.0)  # appears at step 1 only
+    mon.enabled = False
+    torch_steps(lin, opt, 2, mon)  # not recorded
+    mon.enabled = True
+    torch_steps(lin, opt, 1, mon)
+    ds = mon.to_dataset()
+    assert list(ds.step.values) == [0, 1, 4]  # disabled updates still counted
+    assert np.isnan(ds.perf.values[0]) and ds.perf.values[1] == 3.0
+    mon.log(step=5, perf=1.0)  # log ahead of the next update
+    torch_steps(lin, opt, 1, mon, log=False)
+    ds = mon.to_dataset()
+    assert ds.perf.values[-1] == 1.0 and np.isfinite(ds.grad_norm.values[-1])
+    mon.close()
+    torch_steps(lin, opt, 1, None)
+    assert mon.to_dataset().sizes["step"] == 4  # hooks removed
+
+
+def test_microbatch_coherence():
+    g = torch.randn(10)
+    assert gradient_coherence([g, g, g]) == pytest.approx(1.0)
+    e = torch.eye(4)
+    assert gradient_coherence([e[i] for i in range(4)]) == pytest.approx(0.25)
+    lin = make_linear()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt)
+    torch_steps(lin, opt, 1, mon)
+    c = mon.microbatch_coherence([[e[0], e[1]], [e[1], e[0]]])
+    assert c == pytest.approx(0.5)
+    assert mon.to_dataset().grad_coherence.values[0] == pytest.approx(0.5)
+
+
+def test_nonfinite_gradient_does_not_crash():
+    lin = make_linear()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt)
+    opt.zero_grad()
+    for p in lin.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    ds = mon.to_dataset()
+    assert np.isnan(ds.grad_norm.values[0])
+
+
+def test_adam_param_groups_with_different_hyperparameters():
+    """Per-group betas / eps (the slow, per-coordinate bias-correction path) against the state."""
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    groups = [{"params": model[0].parameters(), "betas": (0.9, 0.99), "eps": 0.05},
+              {"params": model[2].parameters(), "betas": (0.5, 0.9), "eps": 0.2}]
+    opt = torch.optim.Adam(groups, lr=0.01)
+    mon = Monitor(model, opt)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for _ in range(3):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+    ds = mon.to_dataset()
+    m_hat, v_hat, below = [], [], []
+    for g in opt.param_groups:
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+            st = opt.state[p]
+            t = float(st["step"])
+            m_hat.append((st["exp_avg"] / (1 - b1**t)).reshape(-1))
+            vh = (st["exp_avg_sq"] / (1 - b2**t)).reshape(-1)
+            v_hat.append(vh)
+            below.append(vh.sqrt() < g["eps"])
+    m_hat, v_hat, below = torch.cat(m_hat), torch.cat(v_hat), torch.cat(below)
+    assert ds.adam_m_norm.values[-1] == pytest.approx(m_hat.norm().item(), rel=1e-5)
+    assert ds.adam_v_mean.values[-1] == pytest.approx(v_hat.mean().item(), rel=1e-5)
+    assert ds.adam_eps_frac.values[-1] == pytest.approx(below.float().mean().item())
+    assert 0 < ds.adam_eps_frac.values[-1] < 1
+
+
+def test_parameter_storage_moved_after_attach():
+    """model.to(...) after attaching swaps parameter storage: the Monitor must follow it."""
+    lin = make_linear().float()
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt)
+    lin.double()
+    torch_steps(lin, opt, 1)  # a step in float64 storage
+    lin.float()  # and back: new storage again
+    w0 = torch.cat([p.detach().reshape(-1).clone() for p in lin.parameters()])
+    opt.zero_grad()
+    ((lin(torch.tensor(X, dtype=torch.float32)) - torch.tensor(Y, dtype=torch.float32)) ** 2).mean().backward()
+    opt.step()
+    w1 = torch.cat([p.detach().reshape(-1) for p in lin.parameters()])
+    assert mon.to_dataset().update_norm.values[-1] == pytest.approx((w1 - w0).norm().item(), rel=1e-5)

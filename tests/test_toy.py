@@ -1,0 +1,134 @@
+"""Toy learner: tiny real runs of the real code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from stabstudy import toy
+from stabstudy.runner import run_grid
+from stabstudy.spec import Perturbation
+from stabstudy.store import load_runs
+
+SMALL = {"width": 16, "depth": 1, "n_train": 128, "n_test": 64}
+
+
+def spec(learner="gd", steps=30, seed=0, perts=(), curvature_every=0, task="digits", **hp):
+    return toy.base_spec(learner, steps, seed, task, curvature_every=curvature_every,
+                         perturbations=perts, **{**SMALL, **hp})
+
+
+def test_same_spec_and_seed_give_identical_trajectories():
+    s = spec("adam", steps=25, lr=0.01, curvature_every=10,
+             perts=(Perturbation("grad_noise", start=5, duration=3, dose=0.5),))
+    a, b = toy.run(s), toy.run(s)
+    timing = ["lambda_max_cost_s"]  # wall time, the only channel allowed to differ
+    xr.testing.assert_identical(a.drop_vars(timing), b.drop_vars(timing))
+    c = toy.run(spec("adam", steps=25, seed=1, lr=0.01, curvature_every=10,
+                     perts=(Perturbation("grad_noise", start=5, duration=3, dose=0.5),)))
+    assert not np.allclose(a.loss.values, c.loss.values)
+
+
+@pytest.mark.parametrize("learner", ["gd", "sgd", "adam"])
+def test_channels_and_schema(learner):
+    ds = toy.run(spec(learner, steps=21, lr=0.05 if learner != "adam" else 0.01, curvature_every=10, batch_size=32))
+    assert ds.attrs["status"] == "ok" and ds.sizes["step"] == 21
+    assert list(ds.step.values) == list(range(21))
+    for ch in ("loss", "perf", "grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
+               "lr", "perturbed", "lambda_max", "sharpness_grad", "sharpness_update", "lambda_max_cost_s"):
+        assert ch in ds, ch
+        assert ds[ch].dtype == np.float64
+    assert np.isfinite(ds.loss).all() and np.isfinite(ds.grad_norm).all()
+    assert np.isfinite(ds.lambda_max.values[[0, 10, 20]]).all()
+    assert np.isnan(ds.lambda_max.values[[1, 9, 11]]).all()
+    assert (0 <= ds.perf).all() and (ds.perf <= 1).all()
+    adam_ok = np.isfinite(ds.adam_v_mean.values).all()
+    assert adam_ok == (learner == "adam")
+    assert np.isfinite(ds.precond_sharpness.values[10]) == (learner == "adam")
+    if learner == "gd":  # full batch: the loss decreases over a few small steps
+        assert ds.loss.values[-1] < ds.loss.values[0]
+
+
+def test_synthetic_task_and_sgd_minibatch():
+    ds = toy.run(spec("sgd", steps=20, task="synthetic", lr=0.05, batch_size=16))
+    assert ds.attrs["status"] == "ok" and ds.attrs["batch_size"] == 16 and ds.attrs["full_batch"] == 0
+    np.testing.assert_allclose(ds.perf.values, -ds.test_loss.values)
+
+
+def test_divergence_stops_and_is_reported():
+    ds = toy.run(spec("gd", steps=200, lr=40.0))
+    assert ds.attrs["status"] == "diverged"
+    assert ds.sizes["step"] < 200
+
+
+def _delta(kind, learner="gd", dose=2.0, duration=1, start=10, **params):
+    p = Perturbation(kind, start=start, duration=duration, dose=dose, params=params)
+    base = toy.run(spec(learner, steps=20, lr=0.05 if learner == "gd" else 0.01))
+    pert = toy.run(spec(learner, steps=20, lr=0.05 if learner == "gd" else 0.01, perts=(p,)))
+    return base, pert
+
+
+def test_perturbations_act_only_from_their_start():
+    for kind, learner, dose, kw in [("lr_spike", "gd", 3.0, {}), ("grad_noise", "gd", 1.0, {}),
+                                    ("weight_noise", "gd", 0.5, {}), ("reinit_layer", "gd", 1.0, {"layer": "layers.1"}),
+                                    ("outlier_batch", "gd", 0.25, {}), ("loss_scale", "gd", 4.0, {}),
+                                    ("beta2_shift", "adam", 0.5, {})]:
+        base, pert = _delta(kind, learner, dose, **kw)
+        # identical before the start, different after
+        np.testing.assert_array_equal(base.loss.values[:10], pert.loss.values[:10], err_msg=kind)
+        assert not np.allclose(base.loss.values[11:], pert.loss.values[11:]), kind
+        assert pert.perturbed.values[10] == 1 and pert.perturbed.values[:10].sum() == 0, kind
+
+
+def test_lr_spike_and_loss_scale_exact_effects():
+    base, pert = _delta("lr_spike", dose=3.0, duration=2)
+    assert pert.lr.values[10] == pytest.approx(0.15) and pert.lr.values[12] == pytest.approx(0.05)
+    assert pert.update_norm.values[10] == pytest.approx(3 * base.update_norm.values[10], rel=1e-5)
+    base, pert = _delta("loss_scale", dose=4.0)
+    assert pert.grad_norm.values[10] == pytest.approx(4 * base.grad_norm.values[10], rel=1e-5)
+    assert pert.loss.values[10] == pytest.approx(base.loss.values[10])  # the loss is recorded unscaled
+
+
+def test_unknown_hparam_and_task_are_rejected():
+    with pytest.raises(ValueError, match="unknown toy hyperparameters"):
+        toy.run(spec("gd", steps=2, lrr=0.1))
+    with pytest.raises(ValueError, match="unknown toy task"):
+        toy.run(spec("gd", steps=2, task="mnist"))
+
+
+def test_calibration_grid_through_run_grid_and_tables(tmp_store):
+    grid = toy.calibration_grid([0.5], [0.01], gd_steps=24, adam_steps=24, curvature_every=4,
+                                spike_start=12, spike_duration=3, spike_steps=24, spike_curvature_every=2, **SMALL)
+    specs = [s for v in grid.values() for s in v]
+    assert len(grid["spike"]) == 2 and grid["spike"][1].perturbations[0].kind == "lr_spike"
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert all(r.status == "ok" for r in recs), [r.error for r in recs]
+    gd = load_runs(grid["gd"], store=tmp_store)
+    tab = toy.eos_table(gd, tail=0.5)
+    assert tab.loc[0, "target"] == pytest.approx(4.0) and tab.loc[0, "n_measurements"] >= 2
+    assert np.isfinite(tab.loc[0, "ratio"])
+    adam = toy.eos_table(load_runs(grid["adam"], store=tmp_store), channel="precond_sharpness", beta1=0.9)
+    assert adam.loc[0, "target"] == pytest.approx(3800.0)
+    b, s = (tmp_store.load(x) for x in grid["spike"])
+    resp = toy.spike_response(b, s, start=12, duration=3, window=4)
+    assert resp["loss_jump"] >= 1.0 and np.isfinite(resp["sharpness_drop"])
+
+
+def test_spike_response_arithmetic():
+    steps = np.arange(10)
+    base = xr.Dataset({"loss": ("step", np.ones(10)), "grad_norm": ("step", np.ones(10)),
+                       "lambda_max": ("step", np.full(10, 4.0))}, coords={"step": steps})
+    sp = base.copy(deep=True)
+    sp["loss"][5] = 6.0
+    sp["grad_norm"][5] = 3.0
+    sp["lambda_max"][6:] = 2.0
+    r = toy.spike_response(base, sp, start=5, duration=1, window=3)
+    assert r["loss_jump"] == 6.0 and r["grad_norm_jump"] == 3.0
+    assert r["sharpness_before"] == 4.0 and r["sharpness_after"] == 2.0 and r["sharpness_drop"] == 0.5
+    assert r["baseline_sharpness_drop"] == 0.0
+
+
+def test_lambda_max_check_small():
+    c = toy.lambda_max_check(steps=10, width=8, n_train=64, iters=60, tol=1e-6)
+    assert c["passed"] and c["rel_error"] < 0.02 and c["n_params"] == 64 * 8 + 8 + 8 * 10 + 10
