@@ -66,5 +66,12 @@ def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch):
     assert not errors
     figures = list((tmp_path / "figures" / nb.stem).glob("*.png"))
     assert figures, f"{nb.stem} wrote no figure into figures/{nb.stem}/"
-    assert list((tmp_path / "data" / "runs").glob("*.nc")), f"{nb.stem} stored no run"
+    runs = {p: p.stat().st_mtime_ns for p in (tmp_path / "data" / "runs").glob("*.nc")}
+    assert runs, f"{nb.stem} stored no run"
     assert paths.figures_dir(nb.stem) == tmp_path / "figures" / nb.stem
+
+    # A second study run reuses every stored run and only re-renders the figures.
+    before = {p: p.stat().st_mtime_ns for p in figures}
+    study.run_study("smoke", only=[nb.stem], out_dir=tmp_path / "build2")
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "data" / "runs").glob("*.nc")} == runs
+    assert all(p.stat().st_mtime_ns > before[p] for p in figures), "figures were not re-rendered"
