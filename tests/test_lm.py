@@ -1,0 +1,142 @@
+"""The LM learner: every channel stored, determinism, perturbations, precision, divergence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from stabstudy import lm
+from stabstudy.runner import run_grid
+from stabstudy.spec import Perturbation
+from stabstudy.store import SHARED_CHANNELS, load_runs
+
+TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, corpus_bytes=200_000, warmup=5)
+LM_CHANNELS = ("val_loss", "ce_loss", "z_loss", "attn_logit_max", "attn_logit_max_l0", "out_logit_max",
+               "attn_entropy_min")
+
+
+def spec(steps=30, seed=0, perts=(), **hp):
+    return lm.base_spec(steps, seed=seed, perturbations=tuple(perts), eval_every=10, **{**TINY, **hp})
+
+
+def test_learner_stores_every_channel(tmp_store):
+    s = spec(curvature_every=0)
+    (rec,) = run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert rec.status == "ok", rec.error
+    ds = load_runs([s], store=tmp_store).isel(run=0)
+    for ch in (*SHARED_CHANNELS, *LM_CHANNELS):
+        assert ch in ds, ch
+    for ch in ("loss", "grad_norm", "xgrad", "update_ratio", "adam_v_mean", "lr", "attn_logit_max"):
+        assert np.isfinite(ds[ch].values[1:]).all(), ch
+    assert np.isfinite(ds.val_loss.values).sum() == 3  # steps 9, 19, 29
+    np.testing.assert_allclose(ds.perf.dropna("step"), -ds.val_loss.dropna("step"))
+    np.testing.assert_array_equal(ds.tokens.values, (np.arange(30) + 1) * 8 * 32)
+    assert ds.loss.values[-5:].mean() < ds.loss.values[:3].mean() - 0.5  # it learns
+    raw = tmp_store.load(s)
+    assert len(raw.attrs["corpus_sha256"]) == 64 and raw.attrs["status"] == "ok"
+
+
+def test_same_seed_same_loss_curve():
+    a, b, c = lm.run(spec(seed=3)), lm.run(spec(seed=3)), lm.run(spec(seed=4))
+    np.testing.assert_array_equal(a.loss.values, b.loss.values)
+    np.testing.assert_array_equal(a.grad_norm.values, b.grad_norm.values)
+    assert not np.array_equal(a.loss.values, c.loss.values)
+
+
+def test_perturbations_act_at_their_step_only():
+    base = lm.run(spec())
+    spike = lm.run(spec(perts=[Perturbation("lr_spike", 15, 2, dose=20.0)]))
+    out = lm.run(spec(perts=[Perturbation("outlier_batch", 15, 1, dose=1.0)]))
+    np.testing.assert_array_equal(base.loss.values[:15], spike.loss.values[:15])
+    np.testing.assert_allclose(spike.lr.values[15:17], 20 * base.lr.values[15:17])
+    assert spike.perturbed.values[15:17].tolist() == [1.0, 1.0] and spike.perturbed.values[17] == 0
+    assert not np.allclose(base.loss.values[16:], spike.loss.values[16:])
+    np.testing.assert_array_equal(base.loss.values[:15], out.loss.values[:15])
+    assert out.loss.values[15] != base.loss.values[15]
+    for kind, dose in (("grad_noise", 1.0), ("weight_noise", 0.5), ("beta2_shift", 0.5), ("loss_scale", 100.0)):
+        r = lm.run(spec(perts=[Perturbation(kind, 15, 3, dose=dose)]))
+        assert r.attrs["status"] == "ok", kind
+        np.testing.assert_array_equal(base.loss.values[:15], r.loss.values[:15])
+        assert not np.allclose(base.loss.values[17:], r.loss.values[17:]), kind
+    nw = lm.run(spec(perts=[Perturbation("no_warmup", 0, 1)]))
+    assert nw.lr.values[0] == pytest.approx(1e-3) and base.lr.values[0] == pytest.approx(1e-3 / 5)
+
+
+def test_precision_channels_and_switch():
+    r = lm.run(spec(steps=20, autocast_dtype="float16", grad_scaler=True))
+    assert r.attrs["status"] == "ok"
+    for ch in lm.PRECISION_CHANNELS:
+        assert ch in r, ch
+    assert r.loss_scale.values[0] == 2.0**16
+    assert np.isfinite(r.lost_update_frac.values).all()
+    sw = lm.run(spec(steps=20, perts=[Perturbation("precision_switch", 10, 10, params={"dtype": "bfloat16"})]))
+    base = lm.run(spec(steps=20))
+    np.testing.assert_array_equal(base.loss.values[:10], sw.loss.values[:10])
+    assert not np.array_equal(base.loss.values[10:], sw.loss.values[10:])
+    assert np.isfinite(sw.lost_update_frac.values).all()
+
+
+def test_nan_config_is_stored_as_diverged(tmp_store):
+    # pure float16 Adam: eps=1e-8 rounds to 0, so coordinates with zero gradient get 0/0 = NaN
+    s = spec(param_dtype="float16")
+    (rec,) = run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert rec.status == "diverged"
+    ds = tmp_store.load(s)
+    assert ds.attrs["status"] == "diverged"
+    assert 1 <= ds.sizes["step"] < 30 and np.isfinite(ds.loss.values[0])
+
+
+def test_unknown_hparam_and_task_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown hyperparameter"):
+        lm.run(spec(learning_rate=1e-3))
+    with pytest.raises(ValueError, match="unknown LM task"):
+        lm.run(spec().replace(task="no-such-corpus"))
+
+
+def test_curvature_channels_at_their_cadence():
+    r = lm.run(spec(steps=21, curvature_every=10, curvature_iters=5))
+    measured = np.flatnonzero(np.isfinite(r.lambda_max.values)).tolist()
+    assert measured == [0, 10, 20]
+    assert (r.lambda_max.values[measured] > 0).all()
+    assert np.isfinite(r.precond_sharpness.values[measured]).all()
+    assert np.isfinite(r.sharpness_update.values[measured]).all()
+
+
+def test_grid_builders_and_analyses():
+    specs = lm.spike_grid(40, 20, seeds=(0,), events={"lr_spike": (30.0, 2), "outlier_batch": (1.0, 1)},
+                          beta2s=(0.95, 0.99), **TINY)
+    assert len(specs) == 2 * 3 and len({s.spec_hash for s in specs}) == 6
+    meta = lm.run_table(specs)
+    assert (meta.event == "none").sum() == 2
+    assert (meta[meta.event != "none"].twin != "").all()
+    sweep = lm.lr_sweep_grid((1e-3, 1e-2), 30, variants=("baseline", "qk_layernorm"), **TINY)
+    assert [s.hp["lr"] for s in sweep] == [1e-3, 1e-2, 1e-3, 1e-2]
+    assert lm.run_table(sweep).variant.tolist() == ["baseline"] * 2 + ["qk_layernorm"] * 2
+    with pytest.raises(ValueError, match="unknown variant"):
+        lm.lr_sweep_grid((1e-3,), 30, variants=("layernorm",))
+
+
+def test_spike_effects_and_adam_memory_on_real_runs(tmp_store):
+    specs = lm.spike_grid(60, 20, seeds=(0,), events={"outlier_batch": (1.0, 1)}, beta2s=(0.9,), **TINY)
+    run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    ds = load_runs(specs, store=tmp_store)
+    eff = lm.spike_effects(ds, specs)
+    assert len(eff) == 1
+    row = eff.iloc[0]
+    assert row.peak_excess_loss > 0.1 and row.grad_norm_ratio > 2 and row.adam_v_ratio > 2
+    mem = lm.adam_memory(ds, specs)
+    # the outlier's gradient leaves v with weight beta2^k: e-folding ~ 1/(1-beta2) = 10 steps
+    assert 5 <= mem.iloc[0].t_efold <= 20 and mem.iloc[0].tau_theory == pytest.approx(10.0)
+
+
+def test_lr_sensitivity_definition():
+    # loss0 = 5; losses over 4 lrs, one diverged (NaN -> loss0) and one above loss0 (capped)
+    assert lm.lr_sensitivity(np.array([3.0, 2.0, np.nan, 6.0]), 5.0) == pytest.approx((3 + 2 + 5 + 5) / 4 - 2)
+    assert lm.lr_sensitivity(np.array([2.0, 2.0]), 5.0) == 0.0
+    t, tau, k0 = lm.efold_time(np.exp(-np.arange(50) / 7.0))
+    assert k0 == 0 and t == 7.0 and tau == pytest.approx(7.0)
+
+
+def test_grad_scaler_with_float16_parameters_is_a_clear_error():
+    with pytest.raises(ValueError, match="GradScaler"):
+        lm.run(spec(steps=5, param_dtype="float16", grad_scaler=True))

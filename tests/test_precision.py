@@ -1,0 +1,315 @@
+"""Precision measurements (hand-made tensors), overflow, loss scaling, and the LM learner's precision runs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from stabstudy import lm
+from stabstudy import precision as P
+from stabstudy.runner import run_grid
+from stabstudy.spec import Perturbation
+from stabstudy.store import load_runs
+
+TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, corpus_bytes=200_000, warmup=5)
+BF16 = torch.bfloat16
+
+
+# -- dtype names, counting ------------------------------------------------------------------
+
+
+def test_resolve_dtype_and_unknown_name():
+    assert P.resolve_dtype("float32") is torch.float32
+    assert P.resolve_dtype("bfloat16") is torch.bfloat16
+    assert P.resolve_dtype("float16") is torch.float16
+    with pytest.raises(ValueError, match="valid choices: float32, bfloat16, float16"):
+        P.resolve_dtype("fp8")
+
+
+def test_count_nonfinite_skips_none():
+    a = torch.tensor([1.0, math.inf, -math.inf, math.nan, 0.0])
+    b = torch.tensor([[math.nan, 2.0]], dtype=torch.float16)
+    assert P.count_nonfinite([a, None, b]) == 4
+    assert P.count_nonfinite([None, torch.zeros(3)]) == 0
+    assert P.count_nonfinite([]) == 0
+
+
+def test_fp16_headroom_and_logit_headroom():
+    assert P.fp16_headroom(65504.0) == 1.0
+    assert P.fp16_headroom(6550.4) == pytest.approx(0.1)
+    assert math.isnan(P.fp16_headroom(math.nan))
+    # the unscaled q.k product is sqrt(head_dim) larger than the logit
+    assert P.logit_fp16_headroom(1000.0, 10.0, head_dim=64) == pytest.approx(8000 / 65504)
+    assert P.logit_fp16_headroom(1.0, 6550.4, head_dim=64) == pytest.approx(0.1)
+
+
+# -- ulp and lost updates -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_half_ulp_matches_finfo(dtype):
+    eps = torch.finfo(dtype).eps  # spacing above 1.0
+    one = torch.ones(2)
+    assert P.half_ulp(one, dtype).tolist() == [eps / 2, eps / 2]
+    # below a power of two the spacing halves
+    assert P.half_ulp(one, dtype, direction=-one).tolist() == [eps / 4, eps / 4]
+    # at zero: half the smallest subnormal
+    tiny_sub = float(torch.nextafter(torch.zeros((), dtype=dtype), torch.ones((), dtype=dtype)))
+    assert float(P.half_ulp(torch.zeros(1), dtype)) == tiny_sub / 2
+
+
+def test_lost_update_bf16_hand_made():
+    w = torch.ones(4, dtype=BF16)
+    g = torch.ones(4)
+    # pure bf16 storage: the update is applied in bf16, 1e-3 < half ulp (2**-8) is rounded away
+    after_small = (w.float() + 1e-3).to(BF16)
+    after_big = (w.float() + 1e-1).to(BF16)
+    assert after_small.tolist() == w.tolist()
+    assert P.lost_update_frac([w], [after_small], [g], BF16) == 1.0
+    assert P.lost_update_frac([w], [after_big], [g], BF16) == 0.0
+    # mixed precision: float32 master keeps the update; would it survive bf16 storage? No.
+    m = torch.ones(4)
+    assert P.lost_update_frac([m], [m + 1e-3], [g], BF16) == 1.0
+    assert P.lost_update_frac([m], [m + 1e-3], [g], torch.float32) == 0.0
+    assert P.lost_update_frac([m], [m + 1e-1], [g], BF16) == 0.0
+    # direction matters at a power of two: gap below 1.0 is 2**-8, above 2**-7
+    assert P.lost_update_frac([m], [m - 0.003], [g], BF16) == 0.0
+    assert P.lost_update_frac([m], [m + 0.003], [g], BF16) == 1.0
+
+
+def test_lost_update_eligibility():
+    m = torch.ones(4)
+    after = m + torch.tensor([1e-3, 1e-1, 1e-3, 1e-1])
+    # coordinates with zero or non-finite gradient are not asked to move: excluded
+    g = torch.tensor([1.0, 1.0, 0.0, math.nan])
+    assert P.lost_update_frac([m], [after], [g], BF16) == 0.5
+    # parameters without a gradient are skipped; none eligible -> NaN
+    assert P.lost_update_frac([m, m], [after, after], [None, g], BF16) == 0.5
+    assert math.isnan(P.lost_update_frac([m], [after], [None], BF16))
+    assert math.isnan(P.lost_update_frac([m], [after], [torch.zeros(4)], BF16))
+    with pytest.raises(ValueError, match="lengths differ"):
+        P.lost_update_frac([m], [after, after], [g], BF16)
+
+
+def test_lost_update_pure_bf16_equals_unchanged_fraction():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 16).to(BF16)
+    opt = torch.optim.SGD(lin.parameters(), lr=3e-3)
+    x = torch.randn(32, 16, dtype=BF16)
+    lin(x).float().pow(2).mean().backward()
+    params = list(lin.parameters())
+    before = P.snapshot(params)
+    opt.step()
+    frac = P.lost_update_frac(before, params, [p.grad for p in params], BF16)
+    nz = torch.cat([(p.grad != 0).flatten() for p in params])
+    same = torch.cat([(p == b).flatten() for p, b in zip(params, before, strict=True)])
+    expected = float((same & nz).sum() / nz.sum())
+    assert frac == pytest.approx(expected)
+    assert 0.0 < frac < 1.0  # small SGD steps: some survive, some are rounded away
+
+
+# -- overflow, autocast, Adam state, GradScaler ---------------------------------------------
+
+
+def test_autocast_support_on_cpu():
+    sup = P.autocast_support("cpu")
+    assert sup["float32"] is True
+    assert set(sup) == {"float32", "bfloat16", "float16"}
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_forced_fp16_overflow_is_counted(emulate):
+    lin = torch.nn.Linear(8, 4, bias=False)
+    torch.nn.init.constant_(lin.weight, 100.0)
+    x = torch.full((2, 8), 100.0)  # each output = 8 * 100 * 100 = 80000 > 65504
+    with P.autocast("cpu", "float16", emulate=emulate):
+        y16 = lin(x)
+    with P.autocast("cpu", "bfloat16", emulate=emulate):
+        y_bf = lin(x)
+    with P.autocast("cpu", "float32"):
+        y32 = lin(x)
+    assert P.count_nonfinite([y16]) == 8
+    assert P.count_nonfinite([y_bf, y32]) == 0  # bfloat16 keeps float32's range
+    assert float(y32.detach().max()) == 80000.0
+
+
+def test_emulation_rounds_at_op_boundaries():
+    lin = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.constant_(lin.weight, 1.0)
+    x = torch.tensor([[1.0 + 2.0**-12]])  # below half an fp16 ulp above 1.0 (2**-11)
+    with P.autocast("cpu", "float16", emulate=True):
+        y = lin(x)
+        z = x @ torch.ones(1, 1)
+    assert y.dtype == torch.float32 and float(y.detach()) == 1.0 and float(z) == 1.0
+    assert float(lin(x).detach()) == 1.0 + 2.0**-12
+
+
+def test_overflow_into_adam_corrupts_state_for_good():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-3)
+    x = torch.randn(8, 4)
+    for step in range(6):
+        opt.zero_grad()
+        lin(x).pow(2).mean().backward()
+        if step == 2:
+            lin.weight.grad[0, 0] = math.inf  # one overflowed gradient element
+        opt.step()
+        if step < 2:
+            assert P.adam_state_nonfinite(opt) == 0
+        else:  # running averages keep the inf/NaN forever and the parameter turns NaN
+            assert P.adam_state_nonfinite(opt) >= 2
+            assert P.count_nonfinite(lin.parameters()) >= 1
+    assert P.adam_state_nonfinite(torch.optim.SGD(lin.parameters(), lr=0.1)) == 0
+
+
+def test_grad_scaler_skips_overflowing_step():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-3)
+    scaler = P.make_grad_scaler("cpu")
+    assert scaler.get_scale() == 2.0**16
+    x = torch.randn(16, 8)
+    results = []
+    for factor in (1.0, 1e6, 1.0):
+        opt.zero_grad()
+        with P.autocast("cpu", "float16"):
+            loss = lin(x).float().pow(2).mean() * factor
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        n_bad = P.count_nonfinite(p.grad for p in lin.parameters())
+        before = P.snapshot(lin.parameters())
+        skipped, scale = P.scaler_step(scaler, opt)
+        moved = any(not torch.equal(b, p) for b, p in zip(before, lin.parameters(), strict=True))
+        results.append((n_bad, skipped, scale, moved))
+    assert results[0] == (0, False, 2.0**16, True)
+    assert results[1][0] > 0 and results[1][1:] == (True, 2.0**16, False)  # skipped, params untouched
+    assert results[2] == (0, False, 2.0**15, True)  # halved, then clean again
+    assert P.adam_state_nonfinite(opt) == 0
+    disabled = P.make_grad_scaler("cpu", enabled=False)
+    assert P.scaler_step(disabled, opt) == (False, 1.0)
+
+
+# -- the LM learner's precision runs ---------------------------------------------------------
+
+
+def _spec(precision, steps=30, seed=0, perts=(), **hp):
+    return P._lm_spec(steps, seed, precision, {**TINY, **hp}, perts, eval_every=10)
+
+
+def test_lm_fp16_overflow_without_scaler_diverges_and_is_stored(tmp_store):
+    pert = (Perturbation("loss_scale", 12, 1, dose=1e8),)
+    specs = [_spec("fp16_autocast", perts=pert), _spec("fp16_autocast_scaler", perts=pert),
+             _spec("bf16_autocast", perts=pert)]
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert [r.status for r in recs] == ["diverged", "ok", "ok"], [r.error for r in recs]
+    runs = load_runs(specs, store=tmp_store)
+    s = P.run_summary(runs).set_index("precision")
+    # no scaler: the overflow reaches Adam, its state turns non-finite and the run stops there
+    nf = runs.nonfinite_grads.isel(run=0).values
+    assert nf[12] > 0 and (nf[:12] == 0).all()
+    assert s.loc["fp16_autocast", "adam_state_nonfinite_max"] > 0
+    assert s.loc["fp16_autocast", "steps_done"] == 13 and s.loc["fp16_autocast", "first_nonfinite_step"] == 12
+    assert np.isnan(s.loc["fp16_autocast", "final_loss"])
+    # scaler: the same step is skipped, the scale halves, the state stays finite
+    sc = runs.isel(run=1)
+    assert sc.skipped_step.values[12] == 1 and np.nansum(sc.skipped_step.values) == 1
+    assert sc.loss_scale.values[12] == 2.0**16 and sc.loss_scale.values[13] == 2.0**15
+    assert s.loc["fp16_autocast_scaler", "scale_backoffs"] == 1
+    assert s.loc["fp16_autocast_scaler", "adam_state_nonfinite_max"] == 0
+    # bfloat16 has float32's range: no overflow at all
+    assert s.loc["bf16_autocast", "nonfinite_steps"] == 0
+
+
+def test_lm_scaler_grows_and_same_seed_same_trajectory():
+    a = lm.run(_spec("fp16_autocast_scaler", steps=25, scaler_growth_interval=10))
+    b = lm.run(_spec("fp16_autocast_scaler", steps=25, scaler_growth_interval=10))
+    np.testing.assert_array_equal(a.loss.values, b.loss.values)
+    np.testing.assert_array_equal(a.loss_scale.values, b.loss_scale.values)
+    sc, skipped = a.loss_scale.values, a.skipped_step.values
+    assert sc.max() == 2.0**17  # x2 after 10 clean steps (this model then overflows at 2**17)
+    run = 0  # clean steps since the last change: the GradScaler rule, step by step
+    for t in range(1, len(sc)):
+        run = 0 if skipped[t - 1] else run + 1
+        if skipped[t - 1]:
+            assert sc[t] == sc[t - 1] / 2
+        elif run == 10:
+            assert sc[t] == sc[t - 1] * 2
+            run = 0
+        else:
+            assert sc[t] == sc[t - 1]
+    assert skipped.sum() >= 1
+
+
+def test_lm_large_init_overflows_fp16_attention_logits(tmp_store):
+    specs = P.logit_grid(3, [0], init_scales=[1.0, 1000.0], block_sizes=[32], hp=TINY)
+    recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+    assert all(r.status in ("ok", "diverged") for r in recs)
+    t = P.logit_table(load_runs(specs, store=tmp_store)).set_index(["precision", "init_scale"])
+    assert t.loc[("float32", 1.0), "headroom0"] < 1e-2
+    assert t.loc[("float32", 1000.0), "headroom0"] > 1.0  # the float32 twin predicts the overflow
+    assert t.loc[("float32", 1000.0), "status"] == "ok"
+    assert t.loc[("fp16_autocast", 1000.0), "status"] == "diverged"
+    assert t.loc[("fp16_autocast", 1.0), "status"] == "ok"
+
+
+def test_grid_builders_and_labels():
+    specs = P.precision_grid(10, [0, 1], hp=dict(TINY, scaler_growth_interval=5))
+    assert len(specs) == 10 and len({s.spec_hash for s in specs}) == 10
+    assert {s.get("scaler_growth_interval") for s in specs} == {None, 5}
+    ov = P.overflow_grid(10, [0], [1.0, 1e8], start=5, hp=TINY)
+    assert len(ov) == 8 and all(s.perturbations[0].kind == "loss_scale" for s in ov)
+    with pytest.raises(ValueError, match="valid: float32"):
+        P.precision_hparams("fp8")
+
+
+def _fake_runs():
+    """A load_runs-shaped Dataset: 2 precisions x 2 seeds x 2 doses, 10 steps, known numbers."""
+    import xarray as xr
+
+    rows = [(p, s, d) for p in ("float32", "fp16_autocast_scaler") for s in (0, 1) for d in (1.0, 1e8)]
+    n, steps = len(rows), np.arange(10)
+    loss = np.ones((n, 10))
+    lr = np.tile(np.linspace(1.0, 0.1, 10), (n, 1))
+    lost = np.full((n, 10), np.nan)
+    scale = np.full((n, 10), np.nan)
+    skipped = np.zeros((n, 10))
+    for i, (p, s, d) in enumerate(rows):
+        loss[i] += 0.1 * s + (0.5 if (d > 1 and p == "float32") else 0.0) + (0.02 if p != "float32" else 0.0)
+        if p != "float32":
+            lost[i] = 1.0 - lr[i]  # perfectly anti-correlated with lr
+            scale[i] = [2.0**16] * 5 + [2.0**15] * 5
+            skipped[i, 4] = 1.0
+    hp = {k: [P.PRECISIONS[p][k] for p, _, _ in rows] for k in ("autocast_dtype", "param_dtype", "grad_scaler")}
+    return xr.Dataset(
+        {"loss": (("run", "step"), loss), "lr": (("run", "step"), lr), "lost_update_frac": (("run", "step"), lost),
+         "loss_scale": (("run", "step"), scale), "skipped_step": (("run", "step"), skipped),
+         "nonfinite_grads": (("run", "step"), skipped * 7)},
+        coords={"run": [f"r{i}" for i in range(n)], "step": steps, "seed": ("run", [s for _, s, _ in rows]),
+                "status": ("run", ["ok"] * n), "pert_dose": ("run", [d for *_, d in rows]),
+                "pert_start": ("run", [4.0] * n), **{f"hp_{k}": ("run", v) for k, v in hp.items()}})
+
+
+def test_analyses_on_known_numbers():
+    runs = _fake_runs()
+    assert P.precision_labels(runs).values.tolist()[:4] == ["float32"] * 4
+    s = P.run_summary(runs, tail=0.2)
+    sc = s[s.precision == "fp16_autocast_scaler"].iloc[0]
+    assert (sc.skipped_steps, sc.nonfinite_steps, sc.scale_backoffs, sc.scale_growths) == (1, 1, 1, 0)
+    assert (sc.loss_scale_max, sc.loss_scale_final) == (2.0**16, 2.0**15)
+    gap = P.loss_gap_vs_reference(s[s.pert_dose == 1.0], "float32")
+    assert gap.loc["fp16_autocast_scaler", "mean_diff"] == pytest.approx(0.02)
+    assert gap.loc["fp16_autocast_scaler", "n"] == 2
+    ov = P.overflow_table(s)
+    assert ov.loc[("float32", 1e8), "excess_final_loss"] == pytest.approx(0.5)
+    assert ov.loc[("fp16_autocast_scaler", 1e8), "excess_final_loss"] == pytest.approx(0.0)
+    rho = P.lost_update_vs_lr(runs).dropna()
+    assert (rho.precision == "fp16_autocast_scaler").all() and np.allclose(rho.rho, -1.0)
+    with pytest.raises(ValueError, match="share a"):
+        P.by_precision(runs, "loss")
+    a = P.by_precision(runs.where(runs.pert_dose == 1.0, drop=True), "loss")
+    assert a.dims == ("precision", "seed", "step") and a.precision.values.tolist() == ["float32", "fp16_autocast_scaler"]
+    np.testing.assert_allclose((a - a.sel(precision="float32")).sel(precision="fp16_autocast_scaler"), 0.02)
