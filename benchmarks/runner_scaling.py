@@ -6,7 +6,7 @@
 2. Per-run overhead of runner + store (execute, conform, atomic netCDF write)
    against calling the learner directly.
 
-    OMP_NUM_THREADS=1 python benchmarks/runner_scaling.py [--runs 8] [--steps 400]
+    OMP_NUM_THREADS=1 python benchmarks/runner_scaling.py [--runs 8] [--steps 2000]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def grid(n: int, steps: int, offset: int) -> list[RunSpec]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=5, help="repeats of the overhead measurement")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -50,7 +50,8 @@ def main() -> None:
     t0 = time.perf_counter()
     client = runner.get_client(None, n_workers=2)
     client.wait_for_workers(2)
-    client.run(lambda: __import__("stabstudy.toy"))  # import cost on workers, outside the timing
+    warm = grid(1, 20, 10_000)[0]
+    client.run(lambda: runner.execute(warm, threads=1))  # imports and data loading on workers, outside the timing
     startup = time.perf_counter() - t0
     t0 = time.perf_counter()
     run_grid(grid(args.runs, args.steps, 0), store=RunStore(tmp / "dask"), progress=False, n_workers=2)

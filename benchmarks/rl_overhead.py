@@ -1,0 +1,88 @@
+"""Overhead of StabilityCallback on stable-baselines3 training, side by side.
+
+Same algorithm, env and seed; variants interleaved over repeats, median wall
+time per variant, training throughput (gradient updates/s and env steps/s):
+
+* ``plain``        ``model.learn`` without a callback;
+* ``callback``     ``StabilityCallback`` with the Monitor on every optimizer
+                   (``every=--monitor-every``), diagnostics and lr-spike hooks, no evaluation;
+* ``no-monitor``   the callback without the Monitor (diagnostics + hooks only).
+
+Evaluation episodes are excluded (they are a measurement, not overhead: the
+plain SB3 script would evaluate too). Target: overhead <= 5 %.
+
+    OMP_NUM_THREADS=1 python benchmarks/rl_overhead.py [--algo sac] [--env HalfCheetah-v5] [--steps 1500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+from stabstudy import rl
+from stabstudy.spec import RunSpec
+
+
+def one(spec: RunSpec, variant: str) -> tuple[float, int]:
+    model = rl.build_model(spec)
+    cb = None
+    if variant != "plain":
+        hp = rl.hparams_for(spec)
+        cb = rl.StabilityCallback((), eval_env=None, monitor=variant == "callback", monitor_every=hp["monitor_every"],
+                                  diag_every=hp["diag_every"], seed=spec.seed)
+    t0 = time.perf_counter()
+    model.learn(spec.steps, callback=cb)
+    dt = time.perf_counter() - t0
+    n = cb.n_updates if cb is not None else None
+    if cb is not None:
+        cb.close()
+    model.env.close()
+    return dt, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algo", default="sac", choices=rl.ALGOS)
+    ap.add_argument("--env", default="HalfCheetah-v5")
+    ap.add_argument("--steps", type=int, default=1500, help="env steps per training run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=0, help="0: the algorithm's default")
+    ap.add_argument("--monitor-every", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    hp = {"hidden": args.hidden, "monitor_every": args.monitor_every}
+    if args.batch_size:
+        hp["batch_size"] = args.batch_size
+    if args.algo not in rl.ON_POLICY:
+        hp["learning_starts"] = min(100, args.steps // 4)
+    spec = RunSpec("rl", args.algo, args.env, args.steps, 0, hparams=hp)
+    variants = ["plain", "callback", "no-monitor"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    updates = 0
+    one(spec, "plain")  # warm-up (imports, MuJoCo compile)
+    for r in range(args.repeats):
+        order = variants if r % 2 == 0 else variants[::-1]
+        for v in order:
+            dt, n = one(spec, v)
+            times[v].append(dt)
+            updates = n or updates
+    base = statistics.median(times["plain"])
+    print(f"{args.algo} on {args.env}: {args.steps} env steps, {updates} gradient updates, hidden {args.hidden}, "
+          f"batch {rl.hparams_for(spec)['batch_size'] if 'batch_size' in rl.hparams_for(spec) else '-'}, "
+          f"monitor every {args.monitor_every}, {args.repeats} interleaved repeats (median)")
+    print(f"{'variant':<12} {'wall s':>8} {'updates/s':>10} {'env steps/s':>12} {'overhead':>9}")
+    for v in variants:
+        m = statistics.median(times[v])
+        print(f"{v:<12} {m:8.2f} {updates / m:10.1f} {args.steps / m:12.1f} {100 * (m / base - 1):8.1f}%")
+    ratio = statistics.median(times["callback"]) / base
+    print(f"callback / plain = {ratio:.3f} (target <= 1.05)")
+
+
+if __name__ == "__main__":
+    main()

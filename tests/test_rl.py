@@ -1,0 +1,244 @@
+"""RL learners: real tiny stable-baselines3 runs on Pendulum-v1 (seeded)."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from stabstudy import rl
+from stabstudy.perturb import Schedule
+from stabstudy.spec import Perturbation, RunSpec
+
+torch.set_num_threads(1)
+
+TINY = {
+    "ppo": dict(hidden=16, n_steps=64, batch_size=32, n_epochs=2, eval_episodes=1, eval_max_steps=50),
+    "a2c": dict(hidden=16, n_steps=8, eval_episodes=1, eval_max_steps=50),
+    "sac": dict(hidden=16, batch_size=32, learning_starts=50, eval_episodes=1, eval_max_steps=50, diag_every=5),
+    "td3": dict(hidden=16, batch_size=32, learning_starts=50, eval_episodes=1, eval_max_steps=50, diag_every=5),
+}
+RL_SHARED = ("loss", "perf", "grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos", "adam_m_norm",
+             "adam_v_mean", "adam_eps_frac", "lr", "perturbed", "intervened", "episode_return", "entropy",
+             "approx_kl", "clip_fraction", "value_loss", "q_mean", "action_saturation")
+#: channels that must hold finite numbers for each learner
+MEASURED = {
+    "ppo": ("entropy", "approx_kl", "clip_fraction", "value_loss", "action_saturation"),
+    "a2c": ("entropy", "value_loss", "action_saturation"),
+    "sac": ("entropy", "value_loss", "q_mean", "action_saturation"),
+    "td3": ("value_loss", "q_mean", "action_saturation"),
+}
+
+
+def spec(algo, steps=256, seed=0, perts=(), **hp):
+    return RunSpec("rl", algo, "Pendulum-v1", steps, seed, hparams={**TINY[algo], **hp}, perturbations=perts,
+                   eval_every=128)
+
+
+@pytest.mark.parametrize("algo", ["ppo", "sac", "td3", "a2c"])
+def test_callback_records_every_channel(algo):
+    ds = rl.run(spec(algo, steps=256 if algo != "a2c" else 64))
+    assert ds.attrs["status"] == "ok"
+    for ch in RL_SHARED:
+        assert ch in ds, ch
+    adam = ("adam_v_mean", "adam_m_norm") if algo != "a2c" else ()  # A2C uses RMSprop
+    for ch in ("grad_norm", "xgrad", "update_norm", "update_grad_cos", "lr", "loss") + adam + MEASURED[algo]:
+        assert np.isfinite(ds[ch].values).any(), (algo, ch)
+    # perf at the untrained policy (step 0), at every eval and at the end
+    perf = ds.perf.dropna("step")
+    assert perf.step.values[0] == 0 and perf.sizes["step"] >= 2
+    assert ds.perf_env_step.dropna("step").values[-1] == 256 if algo != "a2c" else 64
+    # env_step is a non-decreasing coordinate along step; step counts updates
+    assert "env_step" in ds.coords and np.all(np.diff(ds.env_step.values) >= 0)
+    assert ds.step.values[-1] == ds.attrs["n_updates"]
+    assert (ds.perturbed.values == 0).all()
+
+
+@pytest.mark.parametrize("algo", ["sac", "ppo"])
+def test_lr_spike_applies_only_inside_window(algo):
+    start, dur, dose = (128, 64, 10.0)
+    s = spec(algo, perts=(Perturbation("lr_spike", start, dur, dose),), lr=1e-3)
+    ds = rl.run(s)
+    env, upd = ds.env_step.values, ds.step.values > 0
+    inside = upd & (env >= start) & (env < start + dur)
+    outside = upd & ~inside
+    assert inside.any() and outside.any()
+    lr_channels = [c for c in ds.data_vars if c == "lr" or c.startswith("lr_")]
+    for c in lr_channels:
+        v = ds[c].values
+        np.testing.assert_allclose(v[inside & np.isfinite(v)], 1e-3 * dose, err_msg=c)
+        np.testing.assert_allclose(v[outside & np.isfinite(v)], 1e-3, err_msg=c)
+    np.testing.assert_array_equal(ds.perturbed.values[1:], ((env >= start) & (env < start + dur))[1:].astype(float))
+
+
+def test_lr_spike_changes_the_trajectory_only_after_the_window_starts():
+    base = rl.run(spec("sac", steps=200))
+    spiked = rl.run(spec("sac", steps=200, perts=(Perturbation("lr_spike", 150, 20, 100.0),)))
+    before = base.env_step.values < 150
+    np.testing.assert_array_equal(base.grad_norm.values[before], spiked.grad_norm.values[before])
+    after = base.env_step.values > 151
+    assert not np.allclose(base.grad_norm.values[after], spiked.grad_norm.values[after])
+
+
+class _Recorder(gym.Env):
+    """Env with a 2-d box action, obs = zeros, reward = 1; records the last action."""
+
+    observation_space = gym.spaces.Box(-10, 10, (3,), np.float32)
+    action_space = gym.spaces.Box(np.array([-1.0, -2.0], np.float32), np.array([1.0, 2.0], np.float32))
+
+    def reset(self, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        self.last = np.asarray(action)
+        return np.zeros(3, np.float32), 1.0, False, False, {}
+
+
+def test_wrappers_scale_reward_and_add_noise_inside_windows():
+    W = rl._wrappers()
+    sched = Schedule((Perturbation("reward_scale", 5, 5, 3.0), Perturbation("action_noise", 20, 400, 0.5),
+                      Perturbation("obs_noise", 500, 500, 2.0)))
+    env = W(_Recorder(), sched, seed=0)
+    env.reset(seed=0)
+    rewards, acts, obs = [], [], []
+    for _ in range(1000):
+        o, r, *_ = env.step(np.zeros(2, np.float32))
+        rewards.append(r)
+        acts.append(env.env.last.copy())
+        obs.append(o)
+    rewards, acts, obs = np.array(rewards), np.array(acts), np.array(obs)
+    np.testing.assert_array_equal(rewards[5:10], 3.0)
+    assert (rewards[:5] == 1).all() and (rewards[10:] == 1).all()
+    assert (acts[:20] == 0).all() and (acts[420:] == 0).all()
+    noisy = acts[20:420]
+    # std 0.5 * half-range: 0.5 for dim 0 (range [-1,1]), 1.0 for dim 1 (range [-2,2])
+    np.testing.assert_allclose(noisy.std(0), [0.5, 1.0], rtol=0.15)
+    assert (np.abs(noisy) <= [1.0, 2.0]).all()
+    assert (obs[:500] == 0).all()
+    np.testing.assert_allclose(obs[500:].std(), 2.0, rtol=0.1)
+
+
+def test_make_env_keeps_true_episode_return_under_reward_scale():
+    env = rl.make_env("Pendulum-v1", (Perturbation("reward_scale", 0, 400, 10.0),), seed=0)
+    env.seed(0)
+    env.reset()
+    total, ep = 0.0, None
+    for _ in range(200):
+        _, r, done, info = env.step(np.zeros((1, 1), np.float32))
+        total += float(r[0])
+        if done[0]:
+            ep = info[0]["episode"]["r"]
+    assert ep is not None and total == pytest.approx(10 * ep, rel=1e-4)
+    assert rl.env_wrapper(env).env_step == 200
+
+
+def test_same_seed_same_trajectory_and_different_seed_differs():
+    for algo in ("sac", "ppo"):
+        perts = (Perturbation("action_noise", 100, 50, 0.3),)
+        a, b = rl.run(spec(algo, perts=perts)), rl.run(spec(algo, perts=perts))
+        for ch in ("perf", "grad_norm", "loss", "episode_return", "lr"):
+            np.testing.assert_array_equal(a[ch].values, b[ch].values, err_msg=f"{algo} {ch}")
+        c = rl.run(spec(algo, seed=1, perts=perts))
+        assert not np.array_equal(a.grad_norm.values[: c.sizes["step"]], c.grad_norm.values[: a.sizes["step"]])
+
+
+def test_weight_noise_and_divergence_status():
+    ds = rl.run(spec("td3", steps=150, perts=(Perturbation("weight_noise", 100, 1, 0.5),)))
+    assert ds.attrs["status"] == "ok"
+    # an absurd threshold makes every value 'exploding': the run stops, keeps its data, says diverged
+    bad = rl.run(spec("sac", steps=256, diverge_threshold=1e-6))
+    assert bad.attrs["status"] == "diverged" and bad.attrs["env_steps"] < 256
+    assert bad.sizes["step"] >= 1 and "diverge_reason" in bad.attrs
+
+
+def test_unknown_env_and_hparam_raise_clear_errors():
+    with pytest.raises(ValueError, match="unknown gymnasium environment"):
+        rl.run(RunSpec("rl", "sac", "NoSuchEnv-v0", 100, 0))
+    with pytest.raises(ValueError, match="unknown hyperparameters"):
+        rl.run(RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3}))
+
+
+def test_grids_and_summary(tmp_path):
+    from stabstudy.runner import run_grid
+    from stabstudy.store import RunStore, load_runs
+
+    specs = rl.comparison_grid(["ppo", "sac"], ["none", "lr_spike"], [0], 192, task="Pendulum-v1",
+                               hparams={a: TINY[a] for a in TINY}, eval_every=64)
+    assert len(specs) == 4
+    ppo_spike = [s for s in specs if s.learner == "ppo" and s.perturbations][0]
+    assert ppo_spike.perturbations[0].duration >= 64  # widened to contain a rollout end
+    doses = rl.dose_grid(["sac"], [3.0, 30.0], [0, 1], 192, task="Pendulum-v1")
+    assert sorted({s.perturbations[0].dose for s in doses}) == [3.0, 30.0] and len(doses) == 4
+    noise = rl.noise_grid({"sac": [-1.0, 1.0], "td3": [0.05]}, [0], 192, task="Pendulum-v1")
+    assert {s.get("target_entropy") for s in noise if s.learner == "sac"} == {-1.0, 1.0}
+    store = RunStore(tmp_path)
+    recs = run_grid(specs, scheduler="serial", store=store, progress=False)
+    assert all(r.status == "ok" for r in recs)
+    ds = load_runs(specs, store=store)
+    curves = rl.eval_curves(ds)
+    assert curves.dims == ("run", "env_step") and np.isfinite(curves.values[:, 0]).all()
+    table = rl.summarize(ds)
+    assert len(table) == 4 and set(table.learner) == {"ppo", "sac"}
+    assert table.stability.between(0, 1).all() and table.collapsed.isin([0.0, 1.0]).all()
+
+
+def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scale"), n=4):
+    import pandas as pd
+
+    rows = []
+    for a in ("ppo", "sac", "td3"):
+        for k in kinds:
+            p = 0.0 if k == "none" else (p_ppo if a == "ppo" else p_off)
+            for i in range(n):
+                coll = float(i < round(p * n))
+                rows.append(dict(learner=a, pert_kind=k, seed=i, pert_dose=10.0, pre_return=1000.0 + i,
+                                 final_return=200.0 + i if coll else 1500.0 + 10 * i + (a == "ppo"),
+                                 stability=0.2 + 0.01 * i if coll else 0.9 - 0.01 * i, collapsed=coll, status="ok"))
+    return pd.DataFrame(rows)
+
+
+def test_claims_table_verdicts_follow_the_data():
+    t = rl.claims_table(_table(1.0, 0.0), scale=2000.0)
+    v = dict(zip(t["claim"], t["supported?"], strict=True))
+    assert v["PPO collapses irreversibly after a single learning-rate spike"] == "supported"
+    assert v["SAC keeps learning after a single learning-rate spike"] == "supported"
+    assert v["returns before the spike are comparable across algorithms"] == "supported"
+    assert v["same pattern under action noise (ppo collapses, sac, td3 do not)"] == "supported"
+    t2 = rl.claims_table(_table(0.0, 0.0), scale=2000.0)
+    v2 = dict(zip(t2["claim"], t2["supported?"], strict=True))
+    assert v2["PPO collapses irreversibly after a single learning-rate spike"] == "not supported"
+    assert "0% of 4 runs collapsed" in t2.set_index("claim").loc[
+        "PPO collapses irreversibly after a single learning-rate spike", "our measurement"]
+    g = rl.group_summary(_table(0.5, 0.0))
+    assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
+    per, crit = rl.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"])
+    assert set(crit) == {"ppo", "sac", "td3"} and np.isnan(crit["sac"].dose)
+
+
+def test_log_every_thins_update_rows_but_keeps_records():
+    full = rl.run(spec("sac", steps=150))
+    thin = rl.run(spec("sac", steps=150).replace(log_every=10))
+    assert thin.sizes["step"] < full.sizes["step"] / 3
+    kept = thin.step.values[np.isnan(thin.perf.values) & np.isnan(thin.value_loss.values)
+                            & np.isnan(thin.episode_return.values)]
+    assert (kept % 10 == 0).all()
+    np.testing.assert_array_equal(full.perf.dropna("step").values, thin.perf.dropna("step").values)
+    np.testing.assert_array_equal(full.env_step.sel(step=thin.step).values, thin.env_step.values)
+
+
+def test_callback_in_a_plain_sb3_script():
+    from stable_baselines3 import TD3
+
+    sched = Schedule((Perturbation("lr_spike", 80, 20, 5.0), Perturbation("reward_scale", 80, 20, 2.0)))
+    env = rl.make_env("Pendulum-v1", sched, seed=3)
+    model = TD3("MlpPolicy", env, learning_starts=50, batch_size=16, policy_kwargs={"net_arch": [8]}, seed=3)
+    cb = rl.StabilityCallback(sched, eval_env=rl.make_eval_env("Pendulum-v1", 30), eval_every=50, eval_episodes=1)
+    model.learn(120, callback=cb)
+    cb.close()
+    ds = cb.to_dataset()
+    assert {"perf", "grad_norm_actor", "grad_norm_critic", "q_mean", "lr"} <= set(ds.data_vars)
+    assert ds.perf.notnull().sum() >= 3 and ds.perturbed.max() == 1.0
+    inside = (ds.env_step >= 80) & (ds.env_step < 100) & (ds.step > 0)
+    np.testing.assert_allclose(ds.lr_critic.where(inside, drop=True).values, 5e-3)
+    # hooks are gone and the lr is back to SB3's value
+    assert all(g["lr"] == pytest.approx(1e-3) for g in model.critic.optimizer.param_groups)
