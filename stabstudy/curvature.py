@@ -1,10 +1,16 @@
 """Loss curvature from Hessian-vector products: sharpness, directional and
 Adam-preconditioned sharpness.
 
-* :func:`lambda_max`: top Hessian eigenvalue by power iteration on
-  Hessian-vector products (Pearlmutter 1994: Hv = grad(grad(L) . v)), the method
-  of PyHessian (Yao et al. 2020, "PyHessian: Neural networks through the lens of
-  the Hessian"). Gradient descent with step ``lr`` is stable on a quadratic only
+* :func:`lambda_max`: top (largest *algebraic*) Hessian eigenvalue from
+  Hessian-vector products (Pearlmutter 1994: Hv = grad(grad(L) . v)). The default
+  ``method="lanczos"`` runs ARPACK's implicitly restarted Lanczos
+  (``scipy.sparse.linalg.eigsh``, ``which="LA"``; Lehoucq, Sorensen & Yang 1998)
+  on a :class:`scipy.sparse.linalg.LinearOperator` whose matvec is one HVP; it is
+  indifferent to a dominant *negative* eigenvalue (seen in the small GPT of
+  :mod:`stabstudy.lm`), which stalls power iteration. ``method="power"`` keeps power iteration
+  with a shifted second pass, the method of PyHessian (Yao et al. 2020, "PyHessian:
+  Neural networks through the lens of the Hessian"), for comparison. Gradient
+  descent with step ``lr`` is stable on a quadratic only
   while ``lambda_max < 2 / lr``; full-batch GD trains at this *edge of stability*
   (Cohen et al. 2021, "Gradient descent on neural networks typically occurs at
   the edge of stability").
@@ -13,7 +19,7 @@ Adam-preconditioned sharpness.
 * :func:`precond_sharpness`: top eigenvalue of P^{-1} H with Adam's
   preconditioner P = diag(sqrt(v_hat) + eps); Adam settles where it is about
   (2 + 2 beta1) / ((1 - beta1) lr) = 38 / lr for beta1 = 0.9 (Cohen et al. 2022,
-  "Adaptive gradient methods at the edge of stability"). Power iteration runs on
+  "Adaptive gradient methods at the edge of stability"). The eigensolver runs on
   the symmetric P^{-1/2} H P^{-1/2}, which has the same eigenvalues.
 * :class:`CurvatureProbe`: measures all of the above every N steps into a
   :class:`stabstudy.telemetry.Monitor` (``lambda_max`` etc., NaN in between).
@@ -31,22 +37,25 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from scipy.sparse.linalg import ArpackError, ArpackNoConvergence, LinearOperator, eigsh
 
 LossFn = Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class EigResult:
-    """Result of a power iteration."""
+    """Result of an eigenvalue estimate (:func:`lambda_max`, :func:`precond_sharpness`)."""
 
     value: float
-    """The eigenvalue estimate (Rayleigh quotient at the last iterate)."""
+    """The eigenvalue estimate (lanczos: ARPACK's Ritz value, or when it did not converge the
+    best Ritz value over every vector it multiplied; power: Rayleigh quotient at the last iterate)."""
     iters: int
-    """Hessian-vector products used (not counting the shift pass, if any)."""
+    """Hessian-vector products actually used (all of them, shift pass included)."""
     wall_s: float
     """Wall time of the whole measurement (seconds)."""
     converged: bool
-    """Whether the relative change fell below ``tol`` before ``iters`` ran out."""
+    """lanczos: ARPACK's residual test ||Hx - theta x|| <= tol |theta| passed within the budget;
+    power: the relative change fell below ``tol`` before ``iters`` ran out."""
 
     def __float__(self) -> float:
         return float(self.value)
@@ -117,34 +126,165 @@ def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Gen
     return torch.Generator().manual_seed(0 if seed is None else int(seed))
 
 
+#: Eigensolvers of :func:`lambda_max` and :func:`precond_sharpness`.
+METHODS = ("lanczos", "power")
+#: Largest Lanczos basis (ARPACK's ``ncv``); a larger ``iters`` budget restarts.
+MAX_NCV = 20
+
+
+def _check_method(method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}: use 'lanczos' or 'power'")
+
+
+class _Stop(Exception):
+    """Raised by the matvec to end ARPACK's reverse communication (budget spent, non-finite HVP)."""
+
+
+class _HessianOperator(LinearOperator):
+    """S H S on flat float64 vectors (S = diag(scale), identity when None): one HVP per matvec.
+
+    Counts its matvecs, refuses more than ``budget`` (raises :class:`_Stop`), and keeps
+    every vector x it multiplied (normalized) with its product, so that :meth:`ritz_max`
+    can give the best Ritz value over their span (the Krylov space of all HVPs spent).
+    """
+
+    def __init__(self, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                 scale: Sequence[torch.Tensor] | None, budget: int):
+        self.grads, self.params = list(grads), list(params)
+        self.sizes = [p.numel() for p in self.params]
+        n = sum(self.sizes)
+        super().__init__(dtype=np.float64, shape=(n, n))
+        self.scale = None if scale is None else _flat(scale)
+        self.budget = budget
+        self.calls = 0
+        self.xs: list[np.ndarray] = []
+        self.ys: list[np.ndarray] = []
+        self.finite = True
+
+    def _matvec(self, x: np.ndarray) -> np.ndarray:
+        if self.calls >= self.budget:
+            raise _Stop("budget")
+        x = np.asarray(x, dtype=np.float64).reshape(-1)
+        w = x if self.scale is None else x * self.scale
+        parts = torch.from_numpy(w).split(self.sizes)
+        y = _flat(hvp(self.grads, self.params, [t.view(p.shape).to(p) for t, p in zip(parts, self.params, strict=True)]))
+        if self.scale is not None:
+            y *= self.scale
+        self.calls += 1
+        if not np.isfinite(y).all():
+            self.finite = False
+            raise _Stop("non-finite Hessian-vector product")
+        nrm = float(np.linalg.norm(x))
+        if nrm > 0:
+            self.xs.append(x / nrm)
+            self.ys.append(y / nrm)
+        return y
+
+    def ritz_max(self) -> float:
+        """Largest Ritz value of the operator on the span of every vector multiplied so far.
+
+        Rayleigh-Ritz: with X (rows: the vectors) and Y = A X, the projection onto the span
+        is T = W^T sym(X Y^T) W, W = V diag(sigma)^-1 from X X^T = V diag(sigma^2) V^T; directions
+        with sigma below eps(HVP dtype)^(1/3) are dropped (their products are noise).
+        """
+        if not self.xs:
+            return float("nan")
+        X, Y = np.stack(self.xs), np.stack(self.ys)
+        s, V = np.linalg.eigh(X @ X.T)
+        eps = torch.finfo(self.params[0].dtype).eps if self.params[0].is_floating_point() else 1e-16
+        keep = s > (eps ** (1 / 3)) ** 2 * s[-1]
+        W = V[:, keep] / np.sqrt(s[keep])
+        G = X @ Y.T
+        T = W.T @ (0.5 * (G + G.T)) @ W
+        return float(np.linalg.eigvalsh(T)[-1])
+
+
+def _flat(ts: Sequence[torch.Tensor]) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1) for t in ts]).to("cpu", torch.float64).numpy()
+
+
+def _lanczos(grads, params, *, iters: int, tol: float, generator: torch.Generator,
+             scale: Sequence[torch.Tensor] | None = None) -> tuple[float, int, bool]:
+    """Largest algebraic eigenvalue of S H S by ARPACK (``eigsh``, ``which="LA"``) within ``iters`` HVPs.
+
+    ``ncv = min(n, iters - 1, MAX_NCV)`` (ARPACK's first Lanczos pass costs ncv + 1 HVPs, so
+    the default budget is one unrestarted pass); ``maxiter`` is large enough that the HVP
+    budget, enforced in the matvec, is what ends an unconverged run. Then (budget spent, or
+    ``ArpackNoConvergence`` without a converged value) the value is the best Ritz value over
+    all vectors multiplied, with ``converged=False``.
+    """
+    op = _HessianOperator(grads, params, scale, max(int(iters), 1))
+    n = op.shape[0]
+    v0 = torch.randn(n, generator=generator, dtype=torch.float64).numpy()
+    if n < 2:  # ARPACK needs k < n: one HVP is the whole (1 x 1) Hessian
+        try:
+            return float(op.matvec(np.ones(1))[0]), op.calls, True
+        except _Stop:
+            return float("nan"), op.calls, False
+    ncv = min(n, max(2, int(iters) - 1), MAX_NCV)
+    try:
+        w = eigsh(op, k=1, which="LA", ncv=ncv, maxiter=max(int(iters), 1), tol=float(tol), v0=v0,
+                  return_eigenvectors=False)
+        return float(w[-1]), op.calls, True
+    except ArpackNoConvergence as e:
+        if len(e.eigenvalues):
+            return float(np.max(e.eigenvalues)), op.calls, False
+    except _Stop:
+        pass
+    except ArpackError:  # pragma: no cover - e.g. a breakdown ARPACK cannot recover from
+        pass
+    return (op.ritz_max() if op.finite else float("nan")), op.calls, False
+
+
+def _top_eig(grads, params, *, method: str, iters: int, tol: float, generator: torch.Generator,
+             scale: Sequence[torch.Tensor] | None = None) -> tuple[float, int, bool]:
+    _check_method(method)
+    if method == "lanczos":
+        return _lanczos(grads, params, iters=iters, tol=tol, generator=generator, scale=scale)
+    lam, k, ok = _power(grads, params, iters=iters, tol=tol, generator=generator, scale=scale)
+    if math.isfinite(lam) and lam < 0:
+        lam2, k2, ok = _power(grads, params, iters=iters, tol=tol, generator=generator, scale=scale, shift=abs(lam))
+        lam, k = lam2, k + k2
+    return lam, k, ok
+
+
 def lambda_max(loss_fn: LossFn, params: Sequence[torch.Tensor], *, iters: int = 20, tol: float = 1e-3,
                seed: int | None = 0, generator: torch.Generator | None = None,
-               grads: Sequence[torch.Tensor] | None = None) -> EigResult:
-    """Top Hessian eigenvalue of ``loss_fn`` at ``params`` by power iteration on HVPs.
+               grads: Sequence[torch.Tensor] | None = None, method: str = "lanczos") -> EigResult:
+    """Top (largest algebraic) Hessian eigenvalue of ``loss_fn`` at ``params`` from HVPs.
 
-    Power iteration finds the eigenvalue of largest magnitude; when that is
-    negative, a second pass on H + |lambda| I recovers the most positive one.
+    ``method="lanczos"`` (default): ARPACK's implicitly restarted Lanczos
+    (``scipy.sparse.linalg.eigsh(which="LA", k=1)``) on a ``LinearOperator`` whose
+    matvec is one HVP on the reused gradient graph; at most ``iters`` HVPs; converged
+    when ARPACK's residual test ``||Hx - theta x|| <= tol |theta|`` passes, else the best
+    Ritz value over the Krylov space spent (``converged=False``). A dominant negative
+    eigenvalue does not slow it. Memory: about ``2 * iters`` float64 copies of the parameters.
+
+    ``method="power"``: power iteration; it finds the eigenvalue of largest magnitude,
+    and when that is negative a second pass on H + |lambda| I (slow when the negative
+    eigenvalue dominates) recovers the most positive one; ``tol`` bounds the relative
+    change of the estimate, ``iters`` each pass.
 
     Args:
         loss_fn: closure computing the scalar loss on a fixed probe batch.
         params: tensors to differentiate (those not requiring grad are skipped).
         iters: maximum number of Hessian-vector products (the cost knob).
-        tol: stop when the estimate's relative change is below this.
+        tol: convergence tolerance (see above).
         seed / generator: randomness of the starting vector.
         grads: a gradient graph from :func:`gradient_graph` to reuse.
+        method: ``"lanczos"`` or ``"power"``.
 
     Returns:
-        :class:`EigResult` (value, iterations used, wall time, converged).
+        :class:`EigResult` (value, HVPs used, wall time, converged).
     """
+    _check_method(method)
     t0 = time.perf_counter()
     params = _params(params)
     if grads is None:
         _, grads = gradient_graph(loss_fn, params)
     gen = _generator(seed, generator)
-    lam, k, ok = _power(grads, params, iters=iters, tol=tol, generator=gen)
-    if math.isfinite(lam) and lam < 0:
-        lam2, k2, ok = _power(grads, params, iters=iters, tol=tol, generator=gen, shift=abs(lam))
-        lam, k = lam2, k + k2
+    lam, k, ok = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen)
     return EigResult(lam, k, time.perf_counter() - t0, ok)
 
 
@@ -184,21 +324,20 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch
 def precond_sharpness(loss_fn: LossFn | None, params: Sequence[torch.Tensor],
                       preconditioner: Sequence[torch.Tensor], *, iters: int = 20, tol: float = 1e-3,
                       seed: int | None = 0, generator: torch.Generator | None = None,
-                      grads: Sequence[torch.Tensor] | None = None) -> EigResult:
+                      grads: Sequence[torch.Tensor] | None = None, method: str = "lanczos") -> EigResult:
     """Top eigenvalue of P^{-1} H, P = diag(``preconditioner``) (e.g. :func:`adam_preconditioner`).
 
-    Runs power iteration on the symmetric P^{-1/2} H P^{-1/2} (same eigenvalues).
+    Runs the eigensolver (``method``, ``iters`` and ``tol`` as in :func:`lambda_max`) on the
+    symmetric P^{-1/2} H P^{-1/2} (same eigenvalues).
     """
+    _check_method(method)
     t0 = time.perf_counter()
     params = _params(params)
     if grads is None:
         _, grads = gradient_graph(loss_fn, params)
     scale = [d.detach().to(p).rsqrt() for d, p in zip(preconditioner, params, strict=True)]
     gen = _generator(seed, generator)
-    lam, k, ok = _power(grads, params, iters=iters, tol=tol, generator=gen, scale=scale)
-    if math.isfinite(lam) and lam < 0:
-        lam2, k2, ok = _power(grads, params, iters=iters, tol=tol, generator=gen, scale=scale, shift=abs(lam))
-        lam, k = lam2, k + k2
+    lam, k, ok = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen, scale=scale)
     return EigResult(lam, k, time.perf_counter() - t0, ok)
 
 
@@ -250,7 +389,7 @@ class CurvatureProbe:
 
     Call it right after ``optimizer.step()`` (after the Monitor recorded the step).
     It evaluates, at the parameters after the update, on the fixed probe batch of
-    ``loss_fn``: ``lambda_max`` (power iteration), ``sharpness_grad`` (along the
+    ``loss_fn``: ``lambda_max`` (``method``: Lanczos or power iteration), ``sharpness_grad`` (along the
     probe-batch gradient), ``sharpness_update`` (along the update just applied,
     when the Monitor measured it), ``precond_sharpness`` (Adam's P^{-1} H, when
     ``optimizer`` has Adam state), ``lambda_max_cost_s`` and ``lambda_max_iters``.
@@ -259,7 +398,8 @@ class CurvatureProbe:
 
     def __init__(self, monitor, loss_fn: LossFn, params: Sequence[torch.Tensor], *, every: int,
                  optimizer: torch.optim.Optimizer | None = None, iters: int = 20, tol: float = 1e-3,
-                 seed: int = 0):
+                 seed: int = 0, method: str = "lanczos"):
+        _check_method(method)
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.monitor = monitor
@@ -269,6 +409,7 @@ class CurvatureProbe:
         self.optimizer = optimizer
         self.iters = iters
         self.tol = tol
+        self.method = method
         self.generator = torch.Generator().manual_seed(seed)
 
     def measure(self, update: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
@@ -278,7 +419,8 @@ class CurvatureProbe:
         loss, grads = gradient_graph(self.loss_fn, self.params)
         if not torch.isfinite(loss):
             return out
-        eig = lambda_max(None, self.params, iters=self.iters, tol=self.tol, generator=self.generator, grads=grads)
+        eig = lambda_max(None, self.params, iters=self.iters, tol=self.tol, generator=self.generator, grads=grads,
+                         method=self.method)
         out["lambda_max"] = eig.value
         out["lambda_max_iters"] = float(eig.iters)
         out["lambda_max_cost_s"] = time.perf_counter() - t0
@@ -289,7 +431,8 @@ class CurvatureProbe:
             P = adam_preconditioner(self.optimizer, self.params)
             if P is not None:
                 out["precond_sharpness"] = precond_sharpness(
-                    None, self.params, P, iters=self.iters, tol=self.tol, generator=self.generator, grads=grads).value
+                    None, self.params, P, iters=self.iters, tol=self.tol, generator=self.generator, grads=grads,
+                    method=self.method).value
         return out
 
     def __call__(self) -> dict[str, float] | None:

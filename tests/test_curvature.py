@@ -46,25 +46,98 @@ def reference_hessian(params, x, y):
     return torch.autograd.functional.hessian(lambda f: flat_loss(f, x, y), flat).numpy()
 
 
-def test_lambda_max_matches_dense_hessian_within_2_percent():
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_lambda_max_matches_dense_hessian_within_2_percent(method):
     params, x, y = mlp_setup()
     loss_fn = lambda: ((forward(params, x) - y) ** 2).mean()  # noqa: E731
     H = reference_hessian(params, x, y)
     top = np.linalg.eigvalsh(H)[-1]
-    res = cv.lambda_max(loss_fn, params, iters=100, tol=1e-6, seed=0)
+    res = cv.lambda_max(loss_fn, params, iters=100, tol=1e-6, seed=0, method=method)
     assert res.value == pytest.approx(top, rel=0.02)
     assert 1 <= res.iters <= 100 and res.wall_s > 0
     # the library's own dense Hessian agrees with torch.autograd.functional.hessian
     np.testing.assert_allclose(cv.dense_hessian(loss_fn, params), H, rtol=1e-8, atol=1e-10)
     # deterministic for a fixed seed
-    assert cv.lambda_max(loss_fn, params, iters=100, tol=1e-6, seed=0).value == res.value
+    again = cv.lambda_max(loss_fn, params, iters=100, tol=1e-6, seed=0, method=method)
+    assert again.value == res.value and again.iters == res.iters
 
 
-def test_negative_dominant_eigenvalue_is_shifted_to_the_top_one():
+def test_lanczos_default_budget_on_the_mlp():
+    """With the default budget (20 HVPs, tol 1e-3) Lanczos is converged and close to exact."""
+    params, x, y = mlp_setup(4)
+    loss_fn = lambda: ((forward(params, x) - y) ** 2).mean()  # noqa: E731
+    top = np.linalg.eigvalsh(reference_hessian(params, x, y))[-1]
+    res = cv.lambda_max(loss_fn, params, seed=0)
+    assert res.converged and res.iters <= 20
+    assert res.value == pytest.approx(top, rel=1e-3)
+
+
+def rotated_quadratic(n=60, dtype=torch.float64, seed=0):
+    """0.5 x^T A x, A = Q diag(-10, 1, 0.5, distinct values in [-0.9, 0.4]) Q^T (top 1.0, |-10| dominant)."""
+    g = torch.Generator().manual_seed(seed)
+    ev = torch.cat([torch.tensor([-10.0, 1.0, 0.5]), torch.linspace(-0.9, 0.4, n - 3)]).double()
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    A = (Q * ev) @ Q.T
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    Ad = A.to(dtype)
+    return (lambda: 0.5 * x @ Ad @ x), [x], A.numpy()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_lanczos_finds_top_algebraic_eigenvalue_when_negative_one_dominates(dtype):
+    loss_fn, params, A = rotated_quadratic(dtype=dtype)
+    assert np.linalg.eigvalsh(A)[[0, -1]] == pytest.approx([-10.0, 1.0])
+    res = cv.lambda_max(loss_fn, params, seed=0)  # the default budget: 20 HVPs, tol 1e-3
+    assert res.value == pytest.approx(1.0, rel=0.01)
+    assert res.converged and res.iters <= 20
+    # the preconditioned solver with P = I is the same operator
+    ones = [torch.ones_like(p) for p in params]
+    assert cv.precond_sharpness(loss_fn, params, ones, seed=0).value == pytest.approx(1.0, rel=0.01)
+
+
+def test_lanczos_budget_is_a_hard_cap_and_unconverged_returns_best_ritz_value():
+    loss_fn, params, A = rotated_quadratic(n=200, seed=1)
+    top = np.linalg.eigvalsh(A)[-1]
+    prev = -np.inf
+    for iters in (1, 2, 5, 8, 12):
+        res = cv.lambda_max(loss_fn, params, iters=iters, tol=1e-12, seed=0)
+        assert res.iters <= iters and not res.converged
+        # a Ritz value: a lower bound on the top eigenvalue, non-decreasing in the budget
+        assert np.isfinite(res.value) and res.value <= top + 1e-9 and res.value >= prev - 1e-9
+        prev = res.value
+    # a restarted run (budget above ARPACK's basis size) still uses at most the budget
+    res = cv.lambda_max(loss_fn, params, iters=3 * cv.MAX_NCV + 5, tol=1e-12, seed=0)
+    assert res.iters <= 3 * cv.MAX_NCV + 5 and res.value <= top + 1e-9
+    assert res.value == pytest.approx(top, rel=1e-3)
+
+
+def test_lanczos_tiny_problems_and_nonfinite():
+    w = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
+    res = cv.lambda_max(lambda: 3.0 * w[0] ** 2, [w])  # n = 1: ARPACK needs n > 1
+    assert res.value == pytest.approx(6.0) and res.iters == 1 and res.converged
+    w2 = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
+    res = cv.lambda_max(lambda: w2[0] ** 2 - 3 * w2[1] ** 2, [w2], iters=2)
+    assert res.value == pytest.approx(2.0, rel=1e-6) and res.iters <= 2
+    bad = cv.lambda_max(lambda: w2[0] ** 2 * float("nan"), [w2])
+    assert math.isnan(bad.value) and not bad.converged
+
+
+def test_unknown_method_is_rejected():
+    params, x, y = mlp_setup()
+    loss_fn = lambda: ((forward(params, x) - y) ** 2).mean()  # noqa: E731
+    for call in (lambda: cv.lambda_max(loss_fn, params, method="arnoldi"),
+                 lambda: cv.precond_sharpness(loss_fn, params, [torch.ones_like(p) for p in params], method="x"),
+                 lambda: cv.CurvatureProbe(None, loss_fn, params, every=1, method="dense")):
+        with pytest.raises(ValueError, match="lanczos.*power"):
+            call()
+
+
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_negative_dominant_eigenvalue_is_shifted_to_the_top_one(method):
     # f(a, b) = a^2 - 3 b^2: eigenvalues 2 and -6; power iteration alone finds -6
     w = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
     loss_fn = lambda: w[0] ** 2 - 3 * w[1] ** 2  # noqa: E731
-    res = cv.lambda_max(loss_fn, [w], iters=200, tol=1e-10, seed=1)
+    res = cv.lambda_max(loss_fn, [w], iters=200, tol=1e-10, seed=1, method=method)
     assert res.value == pytest.approx(2.0, rel=1e-4)
 
 
@@ -79,7 +152,8 @@ def test_directional_sharpness_matches_dense():
     assert math.isnan(cv.directional_sharpness(loss_fn, params, [torch.zeros_like(p) for p in params]))
 
 
-def test_preconditioned_sharpness_matches_dense_P_inverse_H():
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_preconditioned_sharpness_matches_dense_P_inverse_H(method):
     params, x, y = mlp_setup(2)
     loss_fn = lambda: ((forward(params, x) - y) ** 2).mean()  # noqa: E731
     opt = torch.optim.Adam(params, lr=1e-3, betas=(0.9, 0.99), eps=1e-3)
@@ -96,8 +170,9 @@ def test_preconditioned_sharpness_matches_dense_P_inverse_H():
     H = reference_hessian(params, x, y)
     d = torch.cat([p.reshape(-1) for p in P]).numpy()
     dense = np.max(np.linalg.eigvals(H / d[:, None]).real)  # P^-1 H (non-symmetric)
-    res = cv.precond_sharpness(loss_fn, params, P, iters=200, tol=1e-7, seed=0)
+    res = cv.precond_sharpness(loss_fn, params, P, iters=200, tol=1e-7, seed=0, method=method)
     assert res.value == pytest.approx(dense, rel=0.02)
+    assert 1 <= res.iters <= (200 if method == "lanczos" else 400)
     assert cv.dense_top_eigenvalue(loss_fn, params, P) == pytest.approx(dense, rel=1e-6)
     assert cv.adam_preconditioner(torch.optim.SGD(params, lr=0.1), params) is None
 
@@ -109,14 +184,16 @@ def test_check_helper():
     assert not cv.check("x", float("nan"), 1.0, 0.02)["passed"]
 
 
-def test_curvature_probe_logs_every_n_steps():
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_curvature_probe_logs_every_n_steps(method):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     x, y = torch.randn(16, 4), torch.randn(16, 2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     mon = Monitor(model, opt)
     loss_fn = lambda: ((model(x) - y) ** 2).mean()  # noqa: E731
-    probe = cv.CurvatureProbe(mon, loss_fn, list(model.parameters()), every=3, optimizer=opt, iters=30, seed=0)
+    probe = cv.CurvatureProbe(mon, loss_fn, list(model.parameters()), every=3, optimizer=opt, iters=30, seed=0,
+                              method=method)
     for _ in range(7):
         opt.zero_grad()
         loss = loss_fn()
@@ -132,6 +209,9 @@ def test_curvature_probe_logs_every_n_steps():
     # sharpness along any direction is bounded by lambda_max (top eigenvalue, when positive)
     assert ds.sharpness_grad.values[3] <= ds.lambda_max.values[3] * 1.02
     assert ds.sharpness_update.values[3] <= ds.lambda_max.values[3] * 1.02
+    assert probe.method == method
+    if method == "lanczos":
+        assert (ds.lambda_max_iters.values[[0, 3, 6]] <= 30).all()
 
 
 def test_lambda_max_through_fused_attention():
