@@ -75,7 +75,7 @@ HPARAM_DOCS: dict[str, str] = {
     "corpus_bytes": "corpus size cap (bytes)", "val_frac": "validation fraction of the corpus",
     "eval_batches": "validation batches per evaluation",
     "diag_every": "cadence of attention/logit diagnostics (0 = spec.log_every)",
-    "curvature_iters": "Hessian-vector products per lambda_max measurement (power iteration)",
+    "curvature_iters": "Hessian-vector products per lambda_max measurement (Lanczos budget)",
     "autocast_dtype": "float32 | bfloat16 | float16 autocast of the forward pass",
     "param_dtype": "float32 | bfloat16 | float16 storage of parameters and Adam state",
     "grad_scaler": "dynamic loss scaling with torch.amp.GradScaler",

@@ -70,7 +70,7 @@ LONG_NAMES: dict[str, str] = {
     "perf": "performance measure (higher is better)",
     "perturbed": "1 while a perturbation is active",
     "intervened": "1 where a controller acted",
-    "lambda_max": "top Hessian eigenvalue (power iteration; NaN between measurements)",
+    "lambda_max": "top Hessian eigenvalue (Lanczos on Hessian-vector products; NaN between measurements)",
     "layer_grad_norm": "L2 norm of the gradient per parameter tensor",
     "layer_update_ratio": "update norm / parameter norm per parameter tensor",
 }

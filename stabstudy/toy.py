@@ -73,8 +73,8 @@ DEFAULTS: dict[str, Any] = {
     "weight_decay": 0.0,   # L2 (gd/sgd) or decoupled (adam: AdamW) weight decay
     "activation": "tanh",  # tanh | relu | elu | gelu
     "loss": "mse",         # mse (0.5 * mean squared error summed over outputs) | ce
-    "curv_iters": 20,      # power-iteration HVPs per lambda_max measurement
-    "curv_tol": 1e-3,      # power-iteration relative tolerance
+    "curv_iters": 20,      # Hessian-vector products per lambda_max measurement (Lanczos budget)
+    "curv_tol": 1e-3,      # eigensolver relative tolerance
     "probe_size": 0,       # curvature probe batch (0 = the whole training set)
     "diverge_loss": 1e6,   # a training loss above this counts as diverged
     "data_seed": 0,        # which subset of the data (fixed across seeds by default)
@@ -419,7 +419,7 @@ def spike_response(baseline: xr.Dataset, spiked: xr.Dataset, start: int, duratio
 def lambda_max_check(*, seed: int = 0, steps: int = 100, lr: float = 0.3, width: int = 16, depth: int = 1,
                      n_train: int = 256, iters: int = 20, tol: float = 1e-3, tolerance: float = 0.02,
                      task: str = "digits") -> dict[str, Any]:
-    """Check (a) of notebook 00: power-iteration ``lambda_max`` vs the exact top
+    """Check (a) of notebook 00: Lanczos ``lambda_max`` vs the exact top
     eigenvalue of the dense Hessian, for a small MLP after ``steps`` of full-batch GD.
 
     Returns :func:`stabstudy.curvature.check`'s dict plus ``n_params``,
@@ -476,7 +476,7 @@ def claims_table(dense: dict[str, Any], gd: Any, adam: Any, spike: list[dict[str
         return "yes" if ok else "no"
 
     rows = [
-        {"claim": "power-iteration lambda_max matches the dense Hessian's top eigenvalue (within "
+        {"claim": "Lanczos lambda_max matches the dense Hessian's top eigenvalue (within "
                   f"{dense['tolerance']:.0%})",
          "our measurement": f"{dense['measured']:.4g} vs {dense['target']:.4g} "
                             f"(rel. error {dense['rel_error']:.2%}, {dense['iters_used']} HVPs)",
