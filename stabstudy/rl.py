@@ -976,7 +976,8 @@ def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None,
     Clopper-Pearson 95% CI; ``decisive`` says whether the CI excludes the 50% threshold):
 
     * "X collapses": supported when X's collapse fraction >= 50% and above its
-      unperturbed rate; not supported otherwise.
+      unperturbed rate; not supported otherwise. When the CI straddles 50% the
+      verdict is "inconclusive (leans for/against)" instead.
     * "Y keeps learning": supported when Y's collapse fraction < 50% and the median
       of (final - pre-perturbation return) >= 0; not supported otherwise.
     * "comparable returns before": supported when the IQM pre-perturbation returns
@@ -1001,6 +1002,12 @@ def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None,
     def add(claim, meas, verdict, decisive=""):
         rows.append({"claim": claim, "our measurement": meas, "supported?": verdict, "decisive": decisive})
 
+    def verdict(ok: bool, dec: str) -> str:
+        # A point estimate whose 95% interval straddles 50% decides nothing: say which way it leans.
+        if dec == "no":
+            return f"inconclusive (leans {'for' if ok else 'against'})"
+        return "supported" if ok else "not supported"
+
     def med_gain(a, kind):
         h = comp[(comp.learner == a) & (comp.pert_kind == kind)]
         return float(np.nanmedian(h.final_return - h.pre_return)) if len(h) else np.nan
@@ -1016,7 +1023,7 @@ def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None,
         sup = r.p_collapse >= 0.5 and r.p_collapse > p0
         meas = _fmt_p(r) + (f"; unperturbed: {r0.p_collapse:.0%} of {int(r0.n)}" if r0 is not None else "")
         dec = "yes" if (r.p_low > 0.5 or r.p_high < 0.5) else "no"
-        add(f"{on_policy.upper()} collapses irreversibly after {label}", meas, "supported" if sup else "not supported", dec)
+        add(f"{on_policy.upper()} collapses irreversibly after {label}", meas, verdict(sup, dec), dec)
         for a in off_policy:
             q = _p(g, a, kind)
             if q is None:
@@ -1026,7 +1033,7 @@ def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None,
             ok = q.p_collapse < 0.5 and gain >= 0
             dec = "yes" if (q.p_high < 0.5 or q.p_low > 0.5) else "no"
             add(f"{a.upper()} keeps learning after {label}",
-                _fmt_p(q) + f"; median final - pre-perturbation return {gain:+.0f}", "supported" if ok else "not supported", dec)
+                _fmt_p(q) + f"; median final - pre-perturbation return {gain:+.0f}", verdict(ok, dec), dec)
         if kind == "lr_spike":
             pre_on = r.pre_return
             pre_off = [(_p(g, a, kind).pre_return if _p(g, a, kind) is not None else np.nan) for a in off_policy]
