@@ -97,11 +97,18 @@ def _worker_task(spec: RunSpec) -> tuple[xr.Dataset | None, str, str, float]:
     return execute(spec, threads=1)
 
 
-def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False) -> list[RunSpec]:
-    """Specs that still need running: absent, corrupt, or failed when ``retry_failed``."""
+def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False,
+            statuses: dict[str, str | None] | None = None) -> list[RunSpec]:
+    """Specs that still need running: absent, corrupt, or failed when ``retry_failed``.
+
+    ``statuses`` (spec hash -> stored status), when given, is filled in so that
+    callers need not read the store twice.
+    """
     todo = []
     for spec in specs:
         st = store.status(spec)
+        if statuses is not None:
+            statuses[spec.spec_hash] = st
         if st == "corrupt":
             log.warning("stored run %s is corrupt; recomputing", store.path(spec))
             print(f"stabstudy: stored run {store.path(spec).name} is corrupt; recomputing {spec.label}")
@@ -175,11 +182,12 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
     for s in specs:
         if not isinstance(s, RunSpec):
             raise TypeError(f"run_grid takes RunSpec objects, got {type(s).__name__}")
-    todo = {s.spec_hash for s in pending(specs, store, retry_failed)}
+    statuses: dict[str, str | None] = {}
+    todo = {s.spec_hash for s in pending(specs, store, retry_failed, statuses)}
     records: dict[str, RunRecord] = {}
     for s in specs:
         if s.spec_hash not in todo:
-            records[s.spec_hash] = RunRecord(s, store.status(s) or "ok", True, 0.0)
+            records[s.spec_hash] = RunRecord(s, statuses[s.spec_hash] or "ok", True, 0.0)
     work = [s for s in specs if s.spec_hash in todo]
     bar = tqdm(total=len(specs), initial=len(specs) - len(work), desc="runs", unit="run", disable=not progress)
     try:
