@@ -46,6 +46,10 @@ from stabstudy.gpt import GPT, GPTConfig, resolve_device
 from stabstudy.perturb import Schedule
 from stabstudy.spec import Perturbation, RunSpec
 
+#: Bump when a change to this learner alters the results it stores: the runner then
+#: recomputes stored runs of other versions instead of reusing them.
+RESULTS_VERSION = 1
+
 #: Hyperparameters of the ``gpt`` learner and their defaults (spec.hparams override them).
 DEFAULTS: dict[str, Any] = {
     # model

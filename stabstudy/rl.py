@@ -89,6 +89,10 @@ import xarray as xr
 from stabstudy.perturb import Schedule, add_weight_noise, reinit_layer
 from stabstudy.spec import Perturbation, RunSpec
 
+#: Bump when a change to this learner alters the results it stores: the runner then
+#: recomputes stored runs of other versions instead of reusing them.
+RESULTS_VERSION = 1
+
 ALGOS = ("ppo", "sac", "td3", "a2c", "ddpg")
 ON_POLICY = ("ppo", "a2c")
 

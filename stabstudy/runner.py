@@ -18,6 +18,7 @@ import importlib
 import logging
 import os
 import random
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -60,6 +61,16 @@ def learner_for(domain: str) -> Callable[[RunSpec], xr.Dataset]:
     return getattr(importlib.import_module(mod), fn)
 
 
+def results_version(domain: str) -> int:
+    """``RESULTS_VERSION`` of the domain's learner module (1 when it declares none).
+
+    The store key is the spec alone, so a learner change that alters results
+    must bump this number: stored runs of another version are then recomputed
+    instead of silently reused.
+    """
+    return int(getattr(sys.modules[learner_for(domain).__module__], "RESULTS_VERSION", 1))
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch global generators (learners seed their own too)."""
     import torch
@@ -99,20 +110,34 @@ def _worker_task(spec: RunSpec) -> tuple[xr.Dataset | None, str, str, float]:
 
 def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False,
             statuses: dict[str, str | None] | None = None) -> list[RunSpec]:
-    """Specs that still need running: absent, corrupt, or failed when ``retry_failed``.
+    """Specs that still need running: absent, corrupt, stored by another
+    :func:`results_version` of their learner, or failed when ``retry_failed``.
 
     ``statuses`` (spec hash -> stored status), when given, is filled in so that
     callers need not read the store twice.
     """
     todo = []
+    versions: dict[str, int] = {}
     for spec in specs:
-        st = store.status(spec)
-        if statuses is not None:
-            statuses[spec.spec_hash] = st
-        if st == "corrupt":
+        try:
+            stored = store.load(spec)
+            st = str(stored.attrs["status"])
+            if spec.domain not in versions:
+                versions[spec.domain] = results_version(spec.domain)
+            if int(stored.attrs.get("results_version", 1)) != versions[spec.domain]:
+                print(f"stabstudy: stored run {store.path(spec).name} comes from results version "
+                      f"{stored.attrs.get('results_version', 1)} of the {spec.domain} learner (now "
+                      f"{versions[spec.domain]}); recomputing {spec.label}")
+                st = "stale"
+        except FileNotFoundError:
+            st = None
+        except CorruptRunError:
             log.warning("stored run %s is corrupt; recomputing", store.path(spec))
             print(f"stabstudy: stored run {store.path(spec).name} is corrupt; recomputing {spec.label}")
-        if st is None or st == "corrupt" or (st == "failed" and retry_failed):
+            st = "corrupt"
+        if statuses is not None:
+            statuses[spec.spec_hash] = st
+        if st in (None, "corrupt", "stale") or (st == "failed" and retry_failed):
             todo.append(spec)
     return todo
 
@@ -152,12 +177,13 @@ def close_clients() -> None:
 
 def _store_result(store: RunStore, spec: RunSpec, result: tuple) -> RunRecord:
     ds, status, error, wall = result
+    version = {"results_version": results_version(spec.domain)}
     if status == "failed":
-        store.save_failed(spec, error, wall)
+        store.save_failed(spec, error, wall, extra_attrs=version)
         print(f"stabstudy: run {spec.label} failed; traceback stored in {store.path(spec).name}:\n"
               + error.strip().splitlines()[-1])
     else:
-        store.save(ds, spec, status, wall)
+        store.save(ds, spec, status, wall, extra_attrs=version)
     return RunRecord(spec, status, False, wall, error)
 
 
@@ -229,4 +255,4 @@ def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
 
 
 __all__ = ["RunRecord", "run_grid", "execute", "pending", "get_client", "close_clients", "summarize",
-           "learner_for", "seed_everything", "CorruptRunError", "LEARNER_ENTRY"]
+           "learner_for", "results_version", "seed_everything", "CorruptRunError", "LEARNER_ENTRY"]

@@ -156,10 +156,10 @@ class RunStore:
                 os.unlink(tmp)
         return target
 
-    def save_failed(self, spec: RunSpec, error: str, wall_time_s: float) -> Path:
+    def save_failed(self, spec: RunSpec, error: str, wall_time_s: float, extra_attrs: dict | None = None) -> Path:
         """Store a run that raised: no steps, its traceback in ``error``."""
         empty = xr.Dataset(coords={"step": np.arange(0)})
-        return self.save(empty, spec, "failed", wall_time_s, error=error)
+        return self.save(empty, spec, "failed", wall_time_s, error=error, extra_attrs=extra_attrs)
 
     def load(self, spec_or_hash: RunSpec | str) -> xr.Dataset:
         """Load one run fully into memory; raise :class:`CorruptRunError` if unreadable or mismatched."""

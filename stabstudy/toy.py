@@ -57,6 +57,10 @@ from stabstudy.perturb import Schedule
 from stabstudy.spec import Perturbation, RunSpec
 from stabstudy.telemetry import Monitor
 
+#: Bump when a change to this learner alters the results it stores: the runner then
+#: recomputes stored runs of other versions instead of reusing them.
+RESULTS_VERSION = 1
+
 TASKS = ("digits", "synthetic")
 
 DEFAULTS: dict[str, Any] = {

@@ -99,3 +99,16 @@ def test_two_worker_local_cluster_matches_serial(tmp_store, tmp_path):
     a, b = load_runs(specs, store=tmp_store), load_runs(specs, store=serial)
     np.testing.assert_array_equal(a["loss"].values, b["loss"].values)
     assert (a["perturbed"].sel(run=specs[-1].spec_hash).sum() == 3)
+
+
+def test_runs_of_another_results_version_are_recomputed(tmp_store, monkeypatch, capsys):
+    from stabstudy import toy as toy_learner
+
+    s = toy(0)
+    run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert tmp_store.load(s).attrs["results_version"] == toy_learner.RESULTS_VERSION
+    monkeypatch.setattr(toy_learner, "RESULTS_VERSION", toy_learner.RESULTS_VERSION + 1)
+    rec = run_grid([s], scheduler="serial", store=tmp_store, progress=False)[0]
+    assert not rec.cached and "results version" in capsys.readouterr().out
+    assert tmp_store.load(s).attrs["results_version"] == toy_learner.RESULTS_VERSION
+    assert run_grid([s], scheduler="serial", store=tmp_store, progress=False)[0].cached
