@@ -642,3 +642,123 @@ def logit_table(runs) -> Any:
             "headroom_naive0": fp16_headroom(max(a[0], o[0])),
         })
     return pd.DataFrame(rows)
+
+
+def overflow_prediction(logit_tab) -> Any:
+    """Does the float32 twin's fp16 headroom predict which fp16-autocast runs overflow?
+
+    ``logit_tab``: :func:`logit_table`. Returns one row per (init_scale, block_size,
+    seed) with an fp16 run: the float32 twin's ``headroom0_fp32``,
+    ``headroom_peak_fp32``, ``headroom_naive0_fp32``, the fp16 run's ``fp16_status``
+    and ``fp16_steps_done``, ``predicted_overflow`` (peak headroom >= 1) and
+    ``fp16_diverged``.
+    """
+    import pandas as pd
+
+    key = ["init_scale", "block_size", "seed"]
+    twin = logit_tab[logit_tab.precision == "float32"].set_index(key)
+    fp16 = logit_tab[logit_tab.precision == "fp16_autocast"].set_index(key)
+    pred = pd.DataFrame({"headroom0_fp32": twin.headroom0, "headroom_peak_fp32": twin.headroom_peak,
+                         "headroom_naive0_fp32": twin.headroom_naive0, "fp16_status": fp16.status,
+                         "fp16_steps_done": fp16.steps_done}).dropna(subset=["fp16_status"])
+    pred["predicted_overflow"] = pred.headroom_peak_fp32 >= 1
+    pred["fp16_diverged"] = pred.fp16_status != "ok"
+    return pred
+
+
+def claims_table(sum_a, sum_b, overflow, rho, pred, logit_tab, gap=None, gap_scaler=None, gap_mixed=None) -> Any:
+    """Notebook 03's closing table: claim, our measurement, supported? (yes / no / n/a).
+
+    Args:
+        sum_a: :func:`run_summary` of the precision comparison (A).
+        sum_b: :func:`run_summary` of the overflow experiment (B); ``overflow``
+            its :func:`overflow_table`.
+        rho: :func:`lost_update_vs_lr` rows with a finite ``rho``.
+        pred: :func:`overflow_prediction`; ``logit_tab``: :func:`logit_table` (C).
+        gap, gap_scaler, gap_mixed: :func:`loss_gap_vs_reference` against float32,
+            fp16 + scaler and bf16 autocast (None when that reference was not run).
+
+    "n/a" means the data needed for a verdict is missing (e.g. one seed: no interval).
+    """
+    import numpy as np
+    import pandas as pd
+
+    def row(claim, measured, ok):
+        return {"claim": claim, "our measurement": measured,
+                "supported?": "n/a" if ok is None else ("yes" if ok else "no")}
+
+    def ci_text(g, name):
+        if g is None or name not in g.index:
+            return "not run", None
+        r = g.loc[name]
+        txt = f"{r.mean_diff:+.4f} nats [{r.ci_low:+.4f}, {r.ci_high:+.4f}], n={int(r.n)}, diverged={int(r.diverged)}"
+        return txt, (None if not np.isfinite(r.ci_low) else r)
+
+    claims = []
+    txt, r = ci_text(gap, "bf16_autocast")
+    claims.append(row("bf16 autocast reaches float32's final loss (paired CI contains 0)", txt,
+                      None if r is None else bool(r.ci_low <= 0 <= r.ci_high)))
+    txt, r = ci_text(gap_scaler, "fp16_autocast")
+    claims.append(row("fp16 autocast without loss scaling ends worse than with it (underflow)",
+                      "fp16 - fp16+scaler: " + txt, None if r is None else bool(r.ci_low > 0)))
+    s = sum_a[sum_a.precision == "fp16_autocast_scaler"]
+    if len(s):
+        ok = bool((s.skipped_steps == s.nonfinite_steps).all() and (s.scale_backoffs == s.skipped_steps).all())
+        claims.append(row("GradScaler skips every step with inf/NaN gradients and halves the scale",
+                          f"skipped {int(s.skipped_steps.sum())} steps, {int(s.nonfinite_steps.sum())} with inf/NaN "
+                          f"grads, {int(s.scale_backoffs.sum())} halvings, {int(s.scale_growths.sum())} doublings; "
+                          f"scale range [{s.loss_scale_min.min():g}, {s.loss_scale_max.max():g}]", ok))
+    o = sum_b[(sum_b.precision == "fp16_autocast") & (sum_b.nonfinite_steps > 0)]
+    claims.append(row("an fp16 overflow reaching Adam (no scaler) corrupts its state; the run does not recover",
+                      f"{len(o)} runs overflowed; Adam state non-finite in {int((o.adam_state_nonfinite_max > 0).sum())}, "
+                      f"diverged {int((o.status != 'ok').sum())}" + (f" (doses {sorted(set(o.pert_dose))})" if len(o) else ""),
+                      None if len(o) == 0 else bool((o.adam_state_nonfinite_max > 0).all() and (o.status != "ok").all())))
+    doses_over = sorted(set(o.pert_dose))
+    sb = sum_b[(sum_b.precision == "fp16_autocast_scaler") & sum_b.pert_dose.isin(doses_over)]
+    have = [("fp16_autocast_scaler", d) for d in doses_over if ("fp16_autocast_scaler", d) in overflow.index]
+    exc = overflow.loc[have, "excess_final_loss"] if len(sb) else []
+    claims.append(row("with GradScaler the same overflow is skipped and training continues",
+                      f"{len(sb)} runs: skipped {int(sb.skipped_steps.sum())} steps, ok {int((sb.status == 'ok').sum())}, "
+                      f"max Adam non-finite {sb.adam_state_nonfinite_max.max() if len(sb) else float('nan'):g}, "
+                      f"excess final loss vs dose-1 twin {np.round(np.asarray(exc, float), 4).tolist()}",
+                      None if len(sb) == 0 else bool((sb.status == "ok").all() and (sb.skipped_steps > 0).all()
+                                                      and (sb.adam_state_nonfinite_max == 0).all())))
+    bb = sum_b[sum_b.precision == "bf16_autocast"]
+    claims.append(row("bfloat16 keeps float32's range: the same doses do not overflow",
+                      f"max dose {bb.pert_dose.max():g}: non-finite gradient steps {int(bb.nonfinite_steps.sum())}, "
+                      f"diverged {int((bb.status != 'ok').sum())}", None if len(bb) == 0 else bool(bb.nonfinite_steps.sum() == 0)))
+    pb = sum_a[sum_a.precision == "bf16_pure"]
+    rb = rho[rho.precision == "bf16_pure"]
+    claims.append(row("pure bf16 storage erases a sizeable fraction of updates, more when the lr is small (rho(lr, lost) < 0)",
+                      f"mean lost fraction {pb.lost_update_mean.mean():.3f}; median Spearman rho {rb.rho.median():+.3f} "
+                      f"over {len(rb)} runs (max p {rb.p.max():.2g})" if len(pb) else "not run",
+                      None if len(rb) == 0 else bool(rb.rho.median() < 0 and (rb.p < 0.05).all())))
+    txt, r = ci_text(gap_mixed, "bf16_pure")
+    claims.append(row("pure bf16 ends worse than bf16 autocast with float32 master weights",
+                      "bf16_pure - bf16_autocast: " + txt, None if r is None else bool(r.ci_low > 0)))
+    pf = sum_a[sum_a.precision == "fp16_pure"]
+    claims.append(row("pure fp16 Adam (eps=1e-8 rounds to 0 in float16) diverges at once",
+                      f"status {pf.status.tolist()}, steps done {pf.steps_done.tolist()}" if len(pf) else "not run",
+                      None if len(pf) == 0 else bool((pf.status != "ok").all())))
+    agree = pred.predicted_overflow == pred.fp16_diverged
+    claims.append(row("the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow",
+                      f"{int(agree.sum())}/{len(pred)} configurations agree; fp16 diverged in {int(pred.fp16_diverged.sum())}; "
+                      f"naive headroom (no sqrt(d)) >= 1 in {int((pred.headroom_naive0_fp32 >= 1).sum())}",
+                      None if len(pred) == 0 else bool(agree.all())))
+    f32 = logit_tab[logit_tab.precision == "float32"].pivot_table(index="init_scale", columns="block_size",
+                                                                  values="headroom0")
+    if f32.shape[1] >= 2:
+        ratio = f32[f32.columns.max()] / f32[f32.columns.min()]
+        claims.append(row(f"a longer context ({f32.columns.max()} vs {f32.columns.min()}) moves the logits closer to "
+                          "the fp16 limit", f"step-0 headroom ratio per init scale: {np.round(ratio.values, 3).tolist()}",
+                          bool((ratio > 1).all())))
+    else:
+        claims.append(row("a longer context moves the logits closer to the fp16 limit", "one block size only", None))
+    skip_doses = sorted(set(sum_b[(sum_b.precision == "fp16_autocast_scaler") & (sum_b.skipped_steps > 0)
+                                  & (sum_b.pert_dose != 1.0)].pert_dose))
+    pairs = [(d, overflow.loc[("fp16_autocast_scaler", d), "excess_final_loss"],
+              overflow.loc[("float32", d), "excess_final_loss"]) for d in skip_doses if ("float32", d) in overflow.index]
+    claims.append(row("skipping the overflowing step spares the loss damage the same step does in float32",
+                      "; ".join(f"dose {d:g}: scaler {a:+.3f} vs float32 {b:+.3f} nats" for d, a, b in pairs)
+                      or "no skipped perturbed step", None if not pairs else bool(all(a < b for _, a, b in pairs))))
+    return pd.DataFrame(claims)
