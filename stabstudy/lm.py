@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from typing import Any
 
 import numpy as np
@@ -44,6 +43,7 @@ from stabstudy import perturb
 from stabstudy.corpus import get_batch, load_corpus, outlier_batch
 from stabstudy.gpt import GPT, GPTConfig, resolve_device
 from stabstudy.perturb import Schedule
+from stabstudy.seeding import seed_everything
 from stabstudy.spec import Perturbation, RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
@@ -179,9 +179,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     """Train a GPT as ``spec`` says; return the per-step Dataset (see module docstring)."""
     hp = hparams(spec)
     steps, seed = spec.steps, spec.seed
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_everything(seed)
     device = resolve_device(str(hp["device"]))
     precision = _precision_module()
     sched = Schedule(spec.perturbations)

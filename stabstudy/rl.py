@@ -87,6 +87,7 @@ import numpy as np
 import xarray as xr
 
 from stabstudy.perturb import Schedule, add_weight_noise, reinit_layer
+from stabstudy.seeding import seed_everything
 from stabstudy.spec import Perturbation, RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
@@ -692,16 +693,12 @@ def run(spec: RunSpec) -> xr.Dataset:
     Returns the Dataset (dim ``step`` = updates completed, coordinate ``env_step``),
     ``attrs["status"]`` ``"ok"`` or ``"diverged"`` (with ``diverge_reason``).
     """
-    import random
 
-    import torch
 
     if spec.domain != "rl":
         raise ValueError(f"stabstudy.rl.run handles domain 'rl', got {spec.domain!r}")
     check_env_id(spec.task)
-    random.seed(spec.seed)
-    np.random.seed(spec.seed % 2**32)
-    torch.manual_seed(spec.seed)
+    seed_everything(spec.seed)
     t0 = time.perf_counter()
     model = build_model(spec)
     cb = make_callback(spec)

@@ -17,14 +17,12 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import random
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import numpy as np
 import xarray as xr
 from tqdm.auto import tqdm
 
@@ -71,15 +69,6 @@ def results_version(domain: str) -> int:
     return int(getattr(sys.modules[learner_for(domain).__module__], "RESULTS_VERSION", 1))
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch global generators (learners seed their own too)."""
-    import torch
-
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def execute(spec: RunSpec, threads: int | None = None) -> tuple[xr.Dataset | None, str, str, float]:
     """Run one spec, never raising: ``(dataset, status, error, wall_time_s)``.
 
@@ -92,7 +81,6 @@ def execute(spec: RunSpec, threads: int | None = None) -> tuple[xr.Dataset | Non
         torch.set_num_threads(threads)
     t0 = time.perf_counter()
     try:
-        seed_everything(spec.seed)
         ds = learner_for(spec.domain)(spec)
         if not isinstance(ds, xr.Dataset):
             raise TypeError(f"learner for domain {spec.domain!r} returned {type(ds).__name__}, not xarray.Dataset")
@@ -255,4 +243,4 @@ def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
 
 
 __all__ = ["RunRecord", "run_grid", "execute", "pending", "get_client", "close_clients", "summarize",
-           "learner_for", "results_version", "seed_everything", "CorruptRunError", "LEARNER_ENTRY"]
+           "learner_for", "results_version", "CorruptRunError", "LEARNER_ENTRY"]

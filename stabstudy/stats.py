@@ -43,7 +43,7 @@ from scipy import ndimage
 from scipy import stats as sps
 
 from stabstudy import events
-from stabstudy.events import as_series, map_runs
+from stabstudy.events import _multi, as_series, map_runs
 
 __all__ = [
     "CriticalDose",
@@ -60,10 +60,6 @@ __all__ = [
     "short_term_risk",
     "stability_score",
 ]
-
-
-def _multi(x: Any, dim: str = "step") -> bool:
-    return isinstance(x, xr.DataArray) and x.ndim > 1
 
 
 # -- basic tail / central statistics ----------------------------------------------

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import math
-import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,6 +53,7 @@ import xarray as xr
 from stabstudy import perturb
 from stabstudy.curvature import CURVATURE_CHANNELS, CurvatureProbe
 from stabstudy.perturb import Schedule
+from stabstudy.seeding import seed_everything
 from stabstudy.spec import Perturbation, RunSpec
 from stabstudy.telemetry import Monitor
 
@@ -197,9 +197,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         raise ValueError(f"toy.run got a {spec.domain!r} spec")
     hp = hparams(spec)
     seed = spec.seed
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    seed_everything(seed)
     data = load_task(spec.task, int(hp["n_train"]), int(hp["n_test"]), int(hp["data_seed"]),
                      int(hp["synthetic_dim"]), int(hp["synthetic_out"]))
     xtr, ytr, ctr = data["x_train"], data["y_train"], data["c_train"]
