@@ -1,25 +1,45 @@
-"""Cost of the telemetry Monitor and of one lambda_max measurement, side by side.
+"""Cost of the telemetry Monitor and of one lambda_max measurement, side by side;
+then our lambda_max against PyHessian's power iteration.
 
 Two training loops -- a small GPT (``stabstudy.gpt.GPT``, AdamW, as in ``stabstudy.lm``)
 and the toy tanh MLP (``stabstudy.toy.MLP``, Adam, MSE) -- each run with the Monitor
 off, on with ``every=1`` and on with ``every=10``. Variants are timed in interleaved
 repeats (off, every=1, every=10, off, ...) so that load from other processes hits
 them alike; the table shows the median time per training step and the ratio to "off".
-Then one ``lambda_max`` measurement (power iteration, a fixed 20 Hessian-vector
-products on one batch) is timed and expressed in training-step equivalents.
+Then one ``lambda_max`` measurement (the default Lanczos, ``tol=0`` so it spends its whole
+budget of 20 Hessian-vector products, on one batch) is timed and expressed in
+training-step equivalents.
 
-PyHessian is not compared: it is not a dependency and nothing is installed at run time.
+Second table (curvature): on each workload's freshly initialized model (seed 0) and first
+batch, the top Hessian eigenvalue by our ``curvature.lambda_max`` with ``method="lanczos"``
+(ARPACK, largest algebraic eigenvalue) and ``method="power"`` (power iteration, plus a
+shifted pass when the dominant eigenvalue is negative; ``--curv-iters`` HVPs per pass),
+both with ``tol=--curv-tol``, and by PyHessian's ``hessian(...).eigenvalues(maxIter, tol)``
+(Yao et al. 2020; a dev dependency, ``pip install -e '.[dev]'``). PyHessian runs plain
+power iteration, so it returns the eigenvalue of largest *magnitude*, which may be a
+negative one. It does not report its iteration count: the HVPs are counted by wrapping its
+``hessian_vector_product`` (one ``torch.autograd.grad`` each). Wall times include building
+the gradient graph; the GPT goes to PyHessian through a thin module that returns its logits,
+with a criterion computing the loss as ``GPT.forward`` does. Two reference rows (our Lanczos
+to ``tol=1e-8``: the top eigenvalue, and the bottom one from ``-loss``) show which value
+is right. If PyHessian is missing or fails, its row says why and the rest still prints.
 
     OMP_NUM_THREADS=1 python benchmarks/telemetry_overhead.py [--steps 20] [--repeats 7]
+    OMP_NUM_THREADS=1 python benchmarks/telemetry_overhead.py --only-curvature
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+import warnings
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from stabstudy import curvature, lm, toy
 from stabstudy.gpt import GPT
@@ -43,7 +63,32 @@ def gpt_workload(args):
     def loss_of(model, x, y):
         return model(x, y).loss
 
-    return make, loss_of, batches
+    def for_pyhessian(model):
+        return GPTLogits(model), gpt_criterion(model.cfg.z_loss)
+
+    return make, loss_of, batches, for_pyhessian
+
+
+class GPTLogits(nn.Module):
+    """The GPT as PyHessian wants it: ``forward(inputs)`` returns the logits only."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx).logits
+
+
+def gpt_criterion(z_loss: float):
+    """``criterion(logits, targets)``: the loss exactly as ``GPT.forward`` computes it."""
+
+    def criterion(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = logits.float().view(-1, logits.size(-1))
+        ce = F.cross_entropy(flat, targets.reshape(-1))
+        return ce + z_loss * torch.logsumexp(flat, dim=-1).pow(2).mean() if z_loss else ce
+
+    return criterion
 
 
 def mlp_workload(args):
@@ -59,10 +104,16 @@ def mlp_workload(args):
         model = toy.MLP(64, 10, args.mlp_width, 2)
         return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
-    def loss_of(model, x, y):
-        return 0.5 * (model(x) - y).pow(2).sum(1).mean()
+    def criterion(out, y):
+        return 0.5 * (out - y).pow(2).sum(1).mean()
 
-    return make, loss_of, batches
+    def loss_of(model, x, y):
+        return criterion(model(x), y)
+
+    def for_pyhessian(model):
+        return model, criterion
+
+    return make, loss_of, batches, for_pyhessian
 
 
 def time_steps(model, opt, mon, loss_of, batches) -> float:
@@ -79,7 +130,7 @@ def time_steps(model, opt, mon, loss_of, batches) -> float:
 
 
 def bench(name, workload, args) -> list[dict]:
-    make, loss_of, batches = workload(args)
+    make, loss_of, batches, _ = workload(args)
     setups = {}
     for label, every in VARIANTS:
         model, opt = make()
@@ -106,6 +157,102 @@ def bench(name, workload, args) -> list[dict]:
     return rows
 
 
+def pyhessian_top(model, criterion, x, y, *, max_iter: int, tol: float, seed: int = 0) -> tuple[float, int, float]:
+    """PyHessian's top eigenvalue (largest magnitude), HVPs it used, wall time (s, graph build included)."""
+    import pyhessian
+
+    mod = sys.modules["pyhessian.hessian"]  # the module (the package rebinds ``hessian`` to the class)
+    orig = mod.hessian_vector_product
+    calls = 0
+
+    def counting(*a, **kw):
+        nonlocal calls
+        calls += 1
+        return orig(*a, **kw)
+
+    was_training = model.training
+    for p in model.parameters():  # it backpropagates into .grad: start from none
+        p.grad = None
+    torch.manual_seed(seed)  # its starting vector comes from the global generator
+    mod.hessian_vector_product = counting
+    try:
+        t0 = time.perf_counter()
+        with sdpa_kernel([SDPBackend.MATH]), warnings.catch_warnings():  # math kernel as in our gradient_graph
+            # (fused attention has no double backward); its backward(create_graph=True) warns of a
+            # reference cycle, which the finally clause below breaks
+            warnings.filterwarnings("ignore", message="Using backward.. with create_graph=True")
+            h = pyhessian.hessian(model, criterion, data=(x, y), cuda=False)
+        vals, _ = h.eigenvalues(maxIter=max_iter, tol=tol, top_n=1)
+        wall = time.perf_counter() - t0
+    finally:
+        mod.hessian_vector_product = orig
+        for p in model.parameters():  # drop the create_graph gradients (a reference cycle)
+            p.grad = None
+        model.train(was_training)
+    return float(vals[0]), calls, wall
+
+
+def compare_curvature(name, workload, args) -> list[dict]:
+    """Our lambda_max (lanczos, power) and PyHessian's, on one fresh model and its first batch."""
+    make, loss_of, batches, for_pyhessian = workload(args)
+    model, _ = make()
+    x, y = batches[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
+    rows = []
+    for method in ("lanczos", "power"):
+        runs = [curvature.lambda_max(lambda: loss_of(model, x, y), params, iters=args.curv_iters,
+                                     tol=args.curv_tol, seed=0, method=method)
+                for _ in range(args.curv_repeats)]
+        r = runs[0]
+        rows.append({"workload": name, "method": f"ours {method}", "params": n_params, "value": r.value,
+                     "hvps": r.iters, "converged": "yes" if r.converged else "no",
+                     "wall_ms": statistics.median(q.wall_s for q in runs) * 1e3})
+    row = {"workload": name, "method": "pyhessian power", "params": n_params}
+    try:
+        ph_model, criterion = for_pyhessian(model)
+        with torch.no_grad():
+            a, b = float(criterion(ph_model(x), y)), float(loss_of(model, x, y))
+        if abs(a - b) > 1e-6 * max(abs(b), 1.0):
+            raise RuntimeError(f"criterion(model(x), y) = {a} differs from our loss {b}")
+        runs = [pyhessian_top(ph_model, criterion, x, y, max_iter=args.curv_iters, tol=args.curv_tol)
+                for _ in range(args.curv_repeats)]
+        value, calls, _ = runs[0]
+        row.update(value=value, hvps=calls,
+                   converged="yes" if calls < args.curv_iters else "no (budget spent)",
+                   wall_ms=statistics.median(q[2] for q in runs) * 1e3)
+    except Exception as e:  # import or run-time failure: report it, keep the table
+        row.update(value=float("nan"), hvps=0, converged="-", wall_ms=float("nan"),
+                   error=f"{type(e).__name__}: {e}")
+    rows.append(row)
+    # references: Lanczos run to tol 1e-8 for the top eigenvalue, and for the bottom one (of -loss)
+    for label, sign in (("ref lambda_max", 1.0), ("ref lambda_min", -1.0)):
+        r = curvature.lambda_max(lambda s=sign: s * loss_of(model, x, y), params, iters=args.ref_iters, tol=1e-8,
+                                 seed=1)
+        rows.append({"workload": name, "method": label, "params": n_params, "value": sign * r.value,
+                     "hvps": r.iters, "converged": "yes" if r.converged else "no", "wall_ms": r.wall_s * 1e3})
+    lanczos, ref = rows[0]["value"], rows[3]["value"]
+    for r in rows:
+        r["rel_lanczos"] = (r["value"] - lanczos) / abs(lanczos) if lanczos else float("nan")
+        r["rel_ref"] = (r["value"] - ref) / abs(ref) if ref else float("nan")
+    return rows
+
+
+def print_curvature(rows, args) -> None:
+    print(f"\ntop Hessian eigenvalue on the first batch, fresh model (seed 0): tol={args.curv_tol:g}, "
+          f"at most {args.curv_iters} HVPs (ours power: per pass); wall: median of {args.curv_repeats}")
+    print(f"ref: our Lanczos to tol 1e-8 (at most {args.ref_iters} HVPs), top eigenvalue and, from -loss, "
+          f"the bottom one; timed once")
+    print(f"{'workload':<9}{'method':<17}{'params':>9}{'value':>11}{'HVPs':>6}{'wall ms':>10}"
+          f"{'rel diff to':>13}{'rel diff to':>13}  converged")
+    print(f"{'':<63}{'lanczos':>13}{'ref max':>13}")
+    for r in rows:
+        print(f"{r['workload']:<9}{r['method']:<17}{r['params']:>9}{r['value']:>11.5g}{r['hvps']:>6}"
+              f"{r['wall_ms']:>10.1f}{r['rel_lanczos']:>+13.2e}{r['rel_ref']:>+13.2e}  {r['converged']}")
+        if "error" in r:
+            print(f"{'':<9}  PyHessian failed, not compared: {r['error']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=20, help="training steps per timed repeat")
@@ -116,8 +263,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--mlp-width", type=int, default=256)
     ap.add_argument("--mlp-batch", type=int, default=128)
+    ap.add_argument("--only-curvature", action="store_true", help="skip the overhead table")
+    ap.add_argument("--curv-iters", type=int, default=100, help="HVP budget of each eigensolver")
+    ap.add_argument("--curv-tol", type=float, default=1e-3, help="tolerance of each eigensolver")
+    ap.add_argument("--curv-repeats", type=int, default=3, help="timed repeats of each eigensolver")
+    ap.add_argument("--ref-iters", type=int, default=300, help="HVP budget of the tol=1e-8 reference runs")
     args = ap.parse_args()
-    rows = bench("gpt", gpt_workload, args) + bench("mlp", mlp_workload, args)
+    if not args.only_curvature:
+        print_overhead(bench("gpt", gpt_workload, args) + bench("mlp", mlp_workload, args), args)
+    print_curvature(compare_curvature("gpt", gpt_workload, args) + compare_curvature("mlp", mlp_workload, args),
+                    args)
+
+
+def print_overhead(rows, args) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} interleaved "
           f"repeats of {args.steps} steps (timings include other processes' load)")
     print(f"{'workload':<9}{'variant':<22}{'params':>9}{'ms/step':>10}{'ratio to off':>14}")

@@ -8,8 +8,11 @@ Adam-preconditioned sharpness.
   on a :class:`scipy.sparse.linalg.LinearOperator` whose matvec is one HVP; it is
   indifferent to a dominant *negative* eigenvalue (seen in the small GPT of
   :mod:`stabstudy.lm`), which stalls power iteration. ``method="power"`` keeps power iteration
-  with a shifted second pass, the method of PyHessian (Yao et al. 2020, "PyHessian:
-  Neural networks through the lens of the Hessian"), for comparison. Gradient
+  for comparison, the method of PyHessian (Yao et al. 2020, "PyHessian: Neural networks
+  through the lens of the Hessian"), plus a shifted second pass that PyHessian lacks: plain
+  power iteration returns the eigenvalue of largest *magnitude* (measured in
+  ``benchmarks/telemetry_overhead.py``: PyHessian gives -6.48 on the small GPT whose top
+  eigenvalue is +5.15 and bottom one -6.54). Gradient
   descent with step ``lr`` is stable on a quadratic only
   while ``lambda_max < 2 / lr``; full-batch GD trains at this *edge of stability*
   (Cohen et al. 2021, "Gradient descent on neural networks typically occurs at

@@ -62,6 +62,36 @@ def test_lambda_max_matches_dense_hessian_within_2_percent(method):
     assert again.value == res.value and again.iters == res.iters
 
 
+@pytest.mark.parametrize("method", cv.METHODS)
+@pytest.mark.filterwarnings("ignore:Using backward.. with create_graph=True")  # PyHessian's; cycle broken below
+def test_lambda_max_agrees_with_pyhessian(method):
+    """Our lambda_max vs PyHessian's power iteration (a dev dependency: imported, never skipped)."""
+    import pyhessian
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+    g = torch.Generator().manual_seed(101)
+    x = torch.randn(32, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(32, 2, generator=g, dtype=torch.float64)
+    criterion = torch.nn.MSELoss()
+    params = list(model.parameters())
+    loss_fn = lambda: criterion(model(x), y)  # noqa: E731
+    # PyHessian's power iteration finds the eigenvalue of largest magnitude: make sure it is the top one,
+    # with a gap (lambda_2 / lambda_1 < 0.9) so that it converges
+    ev = np.linalg.eigvalsh(cv.dense_hessian(loss_fn, params))
+    assert ev[-1] > abs(ev[0]) and ev[-2] < 0.9 * ev[-1]
+    ours = cv.lambda_max(loss_fn, params, iters=100, tol=1e-6, seed=0, method=method)
+    torch.manual_seed(0)  # PyHessian draws its starting vector from the global generator
+    try:
+        theirs, _ = pyhessian.hessian(model, criterion, data=(x, y), cuda=False).eigenvalues(maxIter=1000, tol=1e-6)
+    finally:
+        for p in params:  # drop its create_graph gradients
+            p.grad = None
+    assert ours.converged
+    assert ours.value == pytest.approx(theirs[0], rel=0.01)
+    assert ours.value == pytest.approx(ev[-1], rel=1e-3)
+
+
 def test_lanczos_default_budget_on_the_mlp():
     """With the default budget (20 HVPs, tol 1e-3) Lanczos is converged and close to exact."""
     params, x, y = mlp_setup(4)
