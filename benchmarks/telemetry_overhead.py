@@ -130,28 +130,37 @@ def time_steps(model, opt, mon, loss_of, batches) -> float:
 
 
 def bench(name, workload, args) -> list[dict]:
+    """Per-step time of each variant on ONE model and optimizer (separate instances differ by a
+    few percent in speed on their own, from memory placement), in interleaved repeats whose
+    order rotates; each Monitor is attached for its repeat only (one untimed warm-up step
+    allocates its buffers) and closed after it. Ratios are paired within a repeat."""
     make, loss_of, batches, _ = workload(args)
-    setups = {}
-    for label, every in VARIANTS:
-        model, opt = make()
-        mon = Monitor(model, opt, every=every) if every else None
-        time_steps(model, opt, mon, loss_of, batches[:3])  # warm-up (allocates buffers, Adam state)
-        setups[label] = (model, opt, mon)
-    times = {label: [] for label, _ in VARIANTS}
-    for _ in range(args.repeats):
-        for label, _ in VARIANTS:
-            times[label].append(time_steps(*setups[label][:3], loss_of, batches))
+    model, opt = make()
+    time_steps(model, opt, None, loss_of, batches[:3])  # warm-up: Adam state, allocator
+    times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
+    for rep in range(args.repeats):
+        k = rep % len(VARIANTS)
+        for label, every in VARIANTS[k:] + VARIANTS[:k]:
+            mon = Monitor(model, opt, every=every) if every else None
+            if mon is not None:
+                time_steps(model, opt, mon, loss_of, batches[:1])
+            times[label].append(time_steps(model, opt, mon, loss_of, batches))
+            if mon is not None:
+                mon.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     # one lambda_max measurement (fixed 20 HVPs: tol=0) on the first batch
-    model = setups["off"][0]
     x, y = batches[0]
     params = [p for p in model.parameters() if p.requires_grad]
     lam_t = statistics.median(
         curvature.lambda_max(lambda: loss_of(model, x, y), params, iters=20, tol=0.0, seed=0).wall_s
         for _ in range(max(args.repeats // 2, 1)))
     n_params = sum(p.numel() for p in params)
-    rows = [{"workload": name, "variant": k, "params": n_params, "ms_per_step": med[k] * 1e3,
-             "ratio": med[k] / med["off"]} for k, _ in VARIANTS]
+    rows = []
+    for label, _ in VARIANTS:
+        paired = [t / t0 for t, t0 in zip(times[label], times["off"], strict=True)]
+        q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
+        rows.append({"workload": name, "variant": label, "params": n_params, "ms_per_step": med[label] * 1e3,
+                     "ratio": q2, "ratio_iqr": (q1, q3)})
     rows.append({"workload": name, "variant": "lambda_max (20 HVP)", "params": n_params, "ms_per_step": lam_t * 1e3,
                  "ratio": lam_t / med["off"]})
     return rows
@@ -276,12 +285,17 @@ def main() -> None:
 
 
 def print_overhead(rows, args) -> None:
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); median of {args.repeats} interleaved "
-          f"repeats of {args.steps} steps (timings include other processes' load)")
-    print(f"{'workload':<9}{'variant':<22}{'params':>9}{'ms/step':>10}{'ratio to off':>14}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.repeats} interleaved repeats of "
+          f"{args.steps} steps on one model per workload; ms/step: median; ratio: median of the per-repeat ratios "
+          f"to off [quartiles] (timings include other processes' load)")
+    print(f"{'workload':<9}{'variant':<22}{'params':>9}{'ms/step':>10}{'ratio to off':>14}  quartiles")
     for r in rows:
-        unit = "x (step equivalents)" if r["variant"].startswith("lambda") else "x"
-        print(f"{r['workload']:<9}{r['variant']:<22}{r['params']:>9}{r['ms_per_step']:>10.3f}{r['ratio']:>13.3f}{unit}")
+        if r["variant"].startswith("lambda"):
+            tail = "x (step equivalents)"
+        else:
+            lo, hi = r["ratio_iqr"]
+            tail = f"x  [{lo:.3f}, {hi:.3f}]"
+        print(f"{r['workload']:<9}{r['variant']:<22}{r['params']:>9}{r['ms_per_step']:>10.3f}{r['ratio']:>13.3f}{tail}")
 
 
 if __name__ == "__main__":

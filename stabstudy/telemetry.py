@@ -34,12 +34,17 @@ perf, ...) to the step just taken (or pass ``step=mon.step + 1`` to log ahead).
 Cost
 ----
 With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step; the
-other channels on steps divisible by N (NaN in between). All vector work is
-done on detached flat buffers (``torch.cat(..., out=)``, one Gram matrix for the
-dot products, ``torch._foreach_norm``), with one host sync per optimizer step.
-Memory: four flat float32 copies of the stepped parameters per optimizer
-(gradient, previous gradient, parameters before the update, update; Adam's v
-is copied into the third after use). Adam channels read the optimizer state.
+other channels on steps divisible by N (NaN in between). A measured step copies
+the gradient and the parameters into a flat float32 buffer (``torch._foreach_copy_``),
+forms the update in place (``torch._foreach_sub_``), copies Adam's m and v into
+one scratch row (``torch.cat`` of cached views), takes separate dot products
+(memory-bound on CPU, cheaper there than a Gram matmul of the rows) into a small
+result tensor and reads it back with one host sync. Adam's state tensors and
+step counts are looked up once and reused while the optimizer's state and the
+set of stepped parameters stay the same. Memory: four flat float32 rows the size
+of the stepped parameters per optimizer (gradient, previous gradient, parameters
+before the update then the negated update, scratch). ``benchmarks/telemetry_overhead.py``
+measures the cost per step.
 
 References: Molybog et al. 2023 (update/gradient cosine before Adam
 instability); Kingma & Ba 2015 (Adam bias correction).
@@ -80,6 +85,9 @@ OPT_CHANNELS = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_gra
                 "adam_m_norm", "adam_v_mean", "adam_eps_frac", "lr")
 
 _NAN = float("nan")
+# slots of _OptState.res: the scalars one measured step reads back in one transfer
+_G2, _GPG, _W2, _U2, _NUG, _M2, _VSUM, _NBELOW = range(8)
+_NRES = 8
 
 
 def _as_float(x: Any) -> float:
@@ -107,42 +115,54 @@ def gradient_coherence(grads: Sequence[Sequence[torch.Tensor] | torch.Tensor]) -
 
 
 class _OptState:
-    """Per-optimizer flat buffers and bookkeeping."""
+    """Per-optimizer flat buffers, cached parameter / Adam-state lists and bookkeeping."""
 
     def __init__(self, index: int, name: str, optimizer: torch.optim.Optimizer):
         self.index = index
         self.name = name
         self.opt = optimizer
-        # rows: 0/1 gradient slots (current / previous), 2 w_before (then Adam v), 3 update
+        # buffer rows: 0/1 gradient slots (current / previous), 2 w_before then -u, 3 scratch (Adam m, v)
         self.buf: torch.Tensor | None = None
-        self.key: tuple[tuple[int, int], ...] = ()
-        self.views: list[torch.Tensor] = []  # flat views of the stepped parameters (track updates)
+        self.rows: list[list[torch.Tensor]] = []  # per row: views of that row shaped like the parameters
+        self.res: torch.Tensor | None = None  # scalar results of one step, read back with one tolist()
+        self.out: list[torch.Tensor] = []  # its elements, as out= targets
+        self.key: tuple[int, ...] = ()
         self.sizes: list[int] = []
         self.slot = 0  # gradient slot of the current step
         self.prev_step = -10  # row index whose gradient sits in slot 1 - slot
+        self.prev_g2 = _NAN  # its squared norm
         self.params: list[torch.Tensor] = []
         self.measuring = False
+        self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
         self.pre: dict[str, Any] = {}
-        self.last_measured = -1  # row whose update sits in buffer row 3
+        self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
+        self.adam: _AdamCache | None = None
 
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
 
     def prepare(self, params: list[torch.Tensor]) -> None:
-        """(Re)build buffers and parameter views when the set of stepped parameters changes."""
-        key = tuple((id(p), p.data_ptr()) for p in params)  # storage moves (model.to(...)) rebuild the views
-        if key == self.key and self.buf is not None:
+        """(Re)build the buffers when the set of stepped parameters or their device changes."""
+        key = tuple(map(id, params))
+        dev = params[0].device
+        if key == self.key and self.buf is not None and self.buf.device == dev:
             return
-        n = sum(p.numel() for p in params)
-        self.buf = torch.zeros(4, n, dtype=torch.float32, device=params[0].device)
-        self.views = [p.detach().view(-1) if p.is_contiguous() else p.detach() for p in params]
         self.sizes = [p.numel() for p in params]
+        self.buf = torch.zeros(4, sum(self.sizes), dtype=torch.float32, device=dev)
+        self.rows = [[v.view(p.shape) for v, p in zip(self.buf[r].split(self.sizes), params, strict=True)]
+                     for r in range(4)]
+        self.res = torch.zeros(_NRES, dtype=torch.float32, device=dev)
+        self.out = list(self.res.unbind())
         self.key = key
         self.prev_step = -10
+        self.adam = None
 
-    def flat_params(self) -> list[torch.Tensor]:
-        return [v if v.dim() == 1 else v.reshape(-1) for v in self.views]
+
+def _flat_views(ts: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """1-D views of ``ts`` for ``torch.cat(..., out=)`` (one kernel, where a foreach copy
+    dispatches once per tensor), or None when one is not contiguous (reshape copies then)."""
+    return [t.detach().view(-1) for t in ts] if all(t.is_contiguous() for t in ts) else None
 
 
 class Monitor:
@@ -367,32 +387,45 @@ class Monitor:
         s = self._step
         params = st.stepped_params()
         st.params = params
-        st.measuring = False
+        st.measuring = st.kept = False
         st.pre = {"lr": _as_float(st.opt.param_groups[0]["lr"]),
                   "lr_primary": _as_float(self._opts[0].opt.param_groups[0]["lr"])}
         if not params:
             return
-        grads = [p.grad.detach().reshape(-1) for p in params]
+        if st.adam is not None and st.adam.verified and tuple(map(id, params)) != st.adam.ids:
+            st.adam.verified = False  # some parameter's step count now lags: read them all again
+        grads = [p.grad for p in params]
         measure = s % self.every == 0
-        keep_for_next = self.every > 1 and (s + 1) % self.every == 0
-        if measure or keep_for_next:
-            st.prepare(params)
-            buf = st.buf
-            torch.cat(grads, out=buf[st.slot])
-            if measure:
-                torch.cat(st.flat_params(), out=buf[2])
-                st.measuring = True
-                return
-            st.pre["g2"] = buf[st.slot].dot(buf[st.slot])  # keep this gradient for the next xgrad
-            st.prev_step = s
-            st.slot = 1 - st.slot
-            if self.per_layer:
-                st.pre["layer_g"] = torch._foreach_norm(grads)
-        else:
-            norms = torch._foreach_norm(grads)
-            st.pre["g2"] = torch.stack(norms).pow(2).sum()
-            if self.per_layer:
-                st.pre["layer_g"] = norms
+        with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
+            if measure or (self.every > 1 and (s + 1) % self.every == 0):
+                st.prepare(params)
+                # copies by foreach (grads are new tensors each step: no cached flat views); the
+                # dot products of a row right after writing it, while it is in cache
+                torch._foreach_copy_(st.rows[st.slot], grads)
+                if measure:
+                    g, out = st.buf[st.slot], st.out
+                    torch.dot(g, g, out=out[_G2])
+                    if st.prev_step == s - 1:
+                        torch.dot(g, st.buf[1 - st.slot], out=out[_GPG])
+                    torch._foreach_copy_(st.rows[2], params)  # w_before
+                    w = st.buf[2]
+                    torch.dot(w, w, out=out[_W2])
+                    if self.per_layer:
+                        st.pre["layer_w"] = torch._foreach_norm(st.rows[2])
+                    st.measuring = True
+                    return
+                g = st.buf[st.slot]
+                st.pre["g2"] = g.dot(g)  # keep this gradient for the next step's xgrad
+                st.kept = True
+                st.prev_step = s
+                st.slot = 1 - st.slot
+                if self.per_layer:
+                    st.pre["layer_g"] = torch._foreach_norm(grads)
+            else:
+                norms = torch._foreach_norm(grads)
+                st.pre["g2"] = torch.stack(norms).pow(2).sum()
+                if self.per_layer:
+                    st.pre["layer_g"] = norms
 
     def _post(self, st: _OptState) -> None:
         s = self._step
@@ -409,47 +442,38 @@ class Monitor:
                 suff["g2"] = vals[0]
             else:
                 suff["g2"] = float(st.pre["g2"].item())
+            if st.kept:
+                st.prev_g2 = suff["g2"]
             return
-        buf = st.buf
-        g_row, gp_row = st.slot, 1 - st.slot
-        torch.cat(st.flat_params(), out=buf[3])
-        buf[3].sub_(buf[2])  # update u = w_after - w_before
-        st.params_at_measure = params
-        adam = _adam_info(st, params)
-        R = 4
-        gram = buf @ buf.T  # every needed dot product of (g slots, w_before, u) in one matmul
-        pieces = [gram.reshape(-1)]
-        if self.per_layer:  # before the w_before row is reused for v
-            norms = [torch.stack(torch._foreach_norm(list(buf[r].split(st.sizes)))) for r in (g_row, 3, 2)]
-            pieces.append(torch.cat(norms))
-        if adam is not None:
-            v = buf[2]
-            torch.cat([x.reshape(-1) for x in adam["v"]], out=v)
-            if adam["scale2"] is not None:
-                v.mul_(adam["scale2"])
-            vsum = v.sum()
-            # count of v < thr without a bool tensor: sign(v - thr) clamped to {-1, 0}, summed
-            below = v.sub_(adam["thr"]).sign_().clamp_(max=0).sum().neg()
-            m_norms = torch.stack(torch._foreach_norm(adam["m"])).float()  # per tensor, no flat copy
-            if adam["inv_bc1"] is not None:
-                m_norms = m_norms * adam["inv_bc1"]
-            pieces.append(torch.stack([vsum, below, m_norms.pow(2).sum()]))
-        vals = torch.cat(pieces).tolist()  # the one host sync of this step
-        suff.update(g2=vals[R * g_row + g_row], gp2=vals[R * gp_row + gp_row], gpg=vals[R * g_row + gp_row],
-                    w2=vals[2 * R + 2], u2=vals[3 * R + 3], ug=vals[3 * R + g_row],
-                    has_prev=1.0 if st.prev_step == s - 1 else 0.0)
-        k = R * R
+        buf, res, out = st.buf, st.res, st.out
+        neg_u = buf[2]
+        has_prev = st.prev_step == s - 1
+        with torch.no_grad():
+            torch._foreach_sub_(st.rows[2], params)  # row 2: w_before - w_after = -u
+            # separate dots: on CPU one memory-bound dot per pair is cheaper than a Gram matmul
+            torch.dot(neg_u, neg_u, out=out[_U2])
+            torch.dot(neg_u, buf[st.slot], out=out[_NUG])
+            adam = _adam_stats(st, params)
+            if self.per_layer:
+                layer = [torch.stack(torch._foreach_norm(st.rows[st.slot])),
+                         torch.stack(torch._foreach_norm(st.rows[2])), torch.stack(st.pre["layer_w"])]
+                vals = torch.cat([res, *layer]).tolist()
+            else:
+                vals = res.tolist()  # the one host sync of this step
+        suff.update(g2=vals[_G2], gp2=st.prev_g2, gpg=vals[_GPG], w2=vals[_W2], u2=vals[_U2], ug=-vals[_NUG],
+                    has_prev=1.0 if has_prev else 0.0)
         if self.per_layer:
             P = len(params)
-            g_l, u_l, w_l = vals[k:k + P], vals[k + P:k + 2 * P], vals[k + 2 * P:k + 3 * P]
+            g_l, u_l, w_l = vals[_NRES:_NRES + P], vals[_NRES + P:_NRES + 2 * P], vals[_NRES + 2 * P:_NRES + 3 * P]
             ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
             self._store_layers(s, params, g_l, ratio)
-            k += 3 * P
         if adam is not None:
-            suff.update(m2=vals[k + 2] / adam["bc1"] ** 2, vsum=vals[k] / adam["bc2"],
-                        nbelow=vals[k + 1], n=float(buf.shape[1]))
+            bc1, bc2 = adam
+            suff.update(m2=vals[_M2] / bc1**2, vsum=vals[_VSUM] / bc2, nbelow=vals[_NBELOW], n=float(buf.shape[1]))
         st.prev_step = s
+        st.prev_g2 = vals[_G2]
         st.last_measured = s
+        st.params_at_measure = params
         st.slot = 1 - st.slot
 
     def last_update(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -459,14 +483,13 @@ class Monitor:
         for st in self._opts:
             if st.buf is None or st.last_measured != self._step:
                 continue
-            for p, u in zip(st.params_at_measure, st.buf[3].split(st.sizes), strict=True):
-                where[id(p)] = u
+            for p, neg_u in zip(st.params_at_measure, st.rows[2], strict=True):
+                where[id(p)] = neg_u
         out = []
-        for p in params:
-            u = where.get(id(p))
-            if u is None:
+        for p, neg_u in ((p, where.get(id(p))) for p in params):
+            if neg_u is None:
                 return None
-            out.append(u.view(p.shape).to(p.dtype).clone())
+            out.append(neg_u.neg().to(p.dtype))
         return out
 
     def _store_layers(self, s: int, params, g_l, ratio) -> None:
@@ -483,47 +506,137 @@ class Monitor:
                 r_arr[i] = ratio[j]
 
 
-def _adam_info(st: _OptState, params: list[torch.Tensor]) -> dict[str, Any] | None:
-    """Adam moments of the stepped parameters and their bias corrections, or None.
+class _AdamCache:
+    """Adam state tensors of the stepped parameters, looked up once.
 
-    When every parameter shares (beta1, beta2, eps, t), the corrections are two
-    Python scalars; otherwise per-coordinate scale vectors are built (slow path).
+    Adam (and AdamW, ...) update ``exp_avg`` / ``exp_avg_sq`` / ``step`` in place, so the
+    tensor objects stay valid until the state is replaced (``load_state_dict``,
+    ``state.clear()``), which :meth:`valid` detects cheaply. Betas and eps are read
+    from the param groups on every step (perturbations such as ``beta2_shift`` change them).
     """
-    state = st.opt.state
-    ms, vs, per = [], [], []
-    for g in st.opt.param_groups:
-        betas, eps = g.get("betas"), g.get("eps")
-        if betas is None or eps is None:
-            return None
-        b1, b2, e = _as_float(betas[0]), _as_float(betas[1]), _as_float(eps)
-        t_group = None
-        for p in g["params"]:
-            if p.grad is None:
-                continue
-            sp = state.get(p)
-            if not sp or "exp_avg" not in sp or "exp_avg_sq" not in sp:
-                return None
-            step_t = sp.get("step", 1)
-            if isinstance(step_t, torch.Tensor) and step_t.device.type != "cpu" and t_group is not None:
-                t = t_group  # no device sync per parameter: the group's first step count
+
+    def __init__(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]):
+        self.state_obj = opt.state
+        self.n_state = len(opt.state)
+        self.ok = False
+        self.ms: list[torch.Tensor] = []
+        self.vs: list[torch.Tensor] = []
+        self.steps: list[Any] = []  # step tensors (updated in place), or None: read from the state dict
+        self.groups: list[tuple[dict[str, Any], int, int]] = []  # (param group, first, end) in `params`
+        self.first_m: torch.Tensor | None = None
+        self.ids: tuple[int, ...] = ()
+        self.verified = False  # see common_count
+        stepped = {id(p) for p in params}
+        i = 0
+        for g in opt.param_groups:
+            if g.get("betas") is None or g.get("eps") is None:
+                return
+            start = i
+            for p in g["params"]:
+                if id(p) not in stepped:
+                    continue
+                sp = opt.state.get(p)
+                if not sp or "exp_avg" not in sp or "exp_avg_sq" not in sp:
+                    return
+                self.ms.append(sp["exp_avg"])
+                self.vs.append(sp["exp_avg_sq"])
+                t = sp.get("step")
+                self.steps.append(t if isinstance(t, torch.Tensor) else None)
+                i += 1
+            if i > start:
+                self.groups.append((g, start, i))
+        if i != len(params):
+            return
+        self.params = params
+        self.ids = tuple(map(id, params))
+        self.first_m = self.ms[0]
+        self.m_flat, self.v_flat = _flat_views(self.ms), _flat_views(self.vs)
+        self.ok = True
+
+    def flat_m(self) -> list[torch.Tensor]:
+        return self.m_flat if self.m_flat is not None else [m.reshape(-1) for m in self.ms]
+
+    def flat_v(self) -> list[torch.Tensor]:
+        return self.v_flat if self.v_flat is not None else [v.reshape(-1) for v in self.vs]
+
+    def valid(self, opt: torch.optim.Optimizer) -> bool:
+        if opt.state is not self.state_obj or len(opt.state) != self.n_state:
+            return False
+        if not self.ok:
+            return True
+        sp = opt.state.get(self.params[0])
+        return bool(sp) and sp.get("exp_avg") is self.first_m
+
+    def _count(self, opt: torch.optim.Optimizer, j: int) -> float:
+        t = self.steps[j]
+        return _as_float(t) if t is not None else _as_float(opt.state[self.params[j]].get("step", 1))
+
+    def step_counts(self, opt: torch.optim.Optimizer) -> list[float]:
+        """Step count per stepped parameter (device tensors: the group's first count, no sync each)."""
+        out = []
+        for _, a, b in self.groups:
+            first = self.steps[a]
+            if first is not None and first.device.type != "cpu":
+                out += [_as_float(first)] * (b - a)
             else:
-                t = t_group = _as_float(step_t)
-            ms.append(sp["exp_avg"].detach())
-            vs.append(sp["exp_avg_sq"].detach())
-            per.append((b1, b2, e, t))
-    if not ms or len(ms) != len(params):
+                out += [self._count(opt, j) for j in range(a, b)]
+        return out
+
+    def common_count(self, opt: torch.optim.Optimizer) -> float | None:
+        """The step count shared by every stepped parameter, or None when they differ.
+
+        The counts are all read once; after they were found equal, and as long as every
+        optimizer step since stepped exactly this set of parameters (``verified``, cleared by
+        the Monitor when the set changes), they are still equal and one is read.
+        """
+        if self.verified:
+            return self._count(opt, 0)
+        ts = self.step_counts(opt)
+        self.verified = all(t == ts[0] for t in ts)
+        return ts[0] if self.verified else None
+
+
+def _adam_stats(st: _OptState, params: list[torch.Tensor]) -> tuple[float, float] | None:
+    """Write ||m||^2, sum(v) and #(v < eps^2 (1 - beta2^t)) of the stepped parameters into
+    ``st.res`` and return the bias corrections (bc1, bc2) to apply, or None (no Adam state).
+
+    sqrt(v_hat) < eps  <=>  v < eps^2 * bc2. When the parameters differ in (beta1, beta2,
+    eps, t) the corrections are applied per coordinate instead (slow path) and (1, 1) returned.
+    """
+    if st.adam is None or not st.adam.valid(st.opt):
+        st.adam = _AdamCache(st.opt, params)
+    ad = st.adam
+    if not ad.ok:
         return None
-    b1, b2, e, t = per[0]
-    if all(x == per[0] for x in per):
+    hps = [(_as_float(g["betas"][0]), _as_float(g["betas"][1]), _as_float(g["eps"])) for g, _, _ in ad.groups]
+    t = ad.common_count(st.opt) if all(h == hps[0] for h in hps) else None
+    per: list[tuple[float, float, float, float]] = []
+    if t is None:
+        ts = ad.step_counts(st.opt)
+        per = [(*h, t_) for h, (_, a, b) in zip(hps, ad.groups, strict=True) for t_ in ts[a:b]]
+    out, x = st.out, st.buf[3]
+    torch.cat(ad.flat_m(), out=x)  # state tensors persist: cached flat views, one kernel
+    if per:
+        x.mul_(_per_coord([1.0 / (1.0 - b1**t_) for b1, _, _, t_ in per], st.sizes, x.device))
+    torch.dot(x, x, out=out[_M2])
+    torch.cat(ad.flat_v(), out=x)
+    if not per:
+        b1, b2, e = hps[0]
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        # sqrt(v / bc2) < eps  <=>  v < eps^2 * bc2
-        return {"m": ms, "v": vs, "bc1": bc1, "bc2": bc2, "thr": e * e * bc2, "inv_bc1": None, "scale2": None}
-    dev = st.buf.device
-    sizes = torch.tensor(st.sizes, device=dev)
-    inv_bc1 = torch.tensor([1.0 / (1.0 - a**t) for a, _, _, t in per], device=dev)
-    s2 = torch.repeat_interleave(torch.tensor([1.0 / (1.0 - b**t) for _, b, _, t in per], device=dev), sizes)
-    thr = torch.repeat_interleave(torch.tensor([x * x for _, _, x, _ in per], device=dev), sizes)
-    return {"m": ms, "v": vs, "bc1": 1.0, "bc2": 1.0, "thr": thr, "inv_bc1": inv_bc1, "scale2": s2}
+        thr: float | torch.Tensor = e * e * bc2
+    else:
+        x.mul_(_per_coord([1.0 / (1.0 - b2**t_) for _, b2, _, t_ in per], st.sizes, x.device))
+        bc1 = bc2 = 1.0
+        thr = _per_coord([e * e for _, _, e, _ in per], st.sizes, x.device)
+    torch.sum(x, 0, out=out[_VSUM])
+    torch.lt(x, thr, out=x)  # 1.0 where below: counted by a float sum (a bool reduction is slower)
+    torch.sum(x, 0, out=out[_NBELOW])
+    return bc1, bc2
+
+
+def _per_coord(values: list[float], sizes: list[int], device: torch.device) -> torch.Tensor:
+    return torch.repeat_interleave(torch.tensor(values, dtype=torch.float32, device=device),
+                                   torch.tensor(sizes, device=device))
 
 
 def _derive(suffs: list[dict[str, float]]) -> dict[str, float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -324,3 +325,79 @@ def test_parameter_storage_moved_after_attach():
     opt.step()
     w1 = torch.cat([p.detach().reshape(-1) for p in lin.parameters()])
     assert mon.to_dataset().update_norm.values[-1] == pytest.approx((w1 - w0).norm().item(), rel=1e-5)
+
+
+def _adam_expected(opt) -> tuple[float, float, float]:
+    """||m_hat||, mean(v_hat), frac(sqrt(v_hat) < eps) from the optimizer state, per-parameter step counts."""
+    m_hat, v_hat, below = [], [], []
+    for g in opt.param_groups:
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+            st = opt.state[p]
+            t = float(st["step"])
+            m_hat.append((st["exp_avg"] / (1 - b1**t)).reshape(-1))
+            vh = (st["exp_avg_sq"] / (1 - b2**t)).reshape(-1)
+            v_hat.append(vh)
+            below.append(vh.sqrt() < g["eps"])
+    m, v, b = torch.cat(m_hat), torch.cat(v_hat), torch.cat(below)
+    return m.norm().item(), v.mean().item(), b.float().mean().item()
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_adam_step_counts_that_drift_apart(every):
+    """A layer without gradient on some steps is skipped by Adam, so its step count lags: the
+    bias corrections must follow each parameter's own count, also after the set of stepped
+    parameters returns to what it was (the Monitor then reads every count again)."""
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.6), eps=0.05)
+    mon = Monitor(model, opt, every=every)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    expected = {}
+    for step in range(9):
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if step in (1, 2):  # the first layer sits these steps out (with every=4: unmeasured steps)
+            for p in model[0].parameters():
+                p.grad = None
+        opt.step()
+        if step % every == 0:
+            expected[step] = _adam_expected(opt)
+    counts = {float(opt.state[p]["step"]) for p in model.parameters()}
+    assert counts == {7.0, 9.0}  # the counts really differ at the end
+    ds = mon.to_dataset()
+    for step, (m_norm, v_mean, frac) in expected.items():
+        if step in (1, 2):  # global channels there cover the stepped parameters only
+            continue
+        row = ds.sel(step=step)
+        assert float(row.adam_m_norm) == pytest.approx(m_norm, rel=1e-5), step
+        assert float(row.adam_v_mean) == pytest.approx(v_mean, rel=1e-5), step
+        assert float(row.adam_eps_frac) == pytest.approx(frac, abs=1e-6), step
+
+
+def test_adam_state_replaced_by_load_state_dict():
+    """After optimizer.load_state_dict the Monitor reads the new state, not cached tensors."""
+    torch.manual_seed(5)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    mon = Monitor(model, opt)
+    x, y = torch.randn(6, 3), torch.randn(6, 2)
+
+    def step():
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+
+    step()
+    saved = copy.deepcopy(opt.state_dict())
+    for st in saved["state"].values():  # a different state than the one the Monitor has seen
+        st["exp_avg"].mul_(3.0)
+        st["exp_avg_sq"].mul_(5.0)
+    for _ in range(3):
+        step()
+    opt.load_state_dict(saved)
+    step()
+    m_norm, v_mean, _ = _adam_expected(opt)
+    ds = mon.to_dataset()
+    assert float(ds.adam_m_norm[-1]) == pytest.approx(m_norm, rel=1e-5)
+    assert float(ds.adam_v_mean[-1]) == pytest.approx(v_mean, rel=1e-5)
