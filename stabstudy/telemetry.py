@@ -85,6 +85,12 @@ OPT_CHANNELS = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_gra
                 "adam_m_norm", "adam_v_mean", "adam_eps_frac", "lr")
 
 _NAN = float("nan")
+# per-optimizer statistics stored for each row (one float64 each; NaN where not computed)
+(_F_KIND, _F_ORDER, _F_LR, _F_LRP, _F_G2, _F_GP2, _F_GPG, _F_W2, _F_U2, _F_UG, _F_PREV, _F_M2, _F_VSUM, _F_NBELOW,
+ _F_N) = range(15)
+_NF = 15
+# _F_KIND: what was computed when the optimizer stepped (NaN: it did not step in that row)
+_K_NOPARAMS, _K_GRAD, _K_FULL, _K_ADAM = 0.0, 1.0, 2.0, 3.0
 # slots of _OptState.res: the scalars one measured step reads back in one transfer
 _G2, _GPG, _W2, _U2, _NUG, _M2, _VSUM, _NBELOW = range(8)
 _NRES = 8
@@ -112,6 +118,46 @@ def gradient_coherence(grads: Sequence[Sequence[torch.Tensor] | torch.Tensor]) -
     num = G.mean(0).pow(2).sum()
     den = G.pow(2).sum(1).mean()
     return float((num / den).item()) if float(den) > 0 else _NAN
+
+
+class _Table:
+    """Float64 array indexed by row that grows by doubling; NaN where nothing was written,
+    with a mask of the cells written. Columnar storage keeps a long run's telemetry small
+    (about 120 bytes per optimizer per row) and lets ``to_dataset`` derive channels with numpy."""
+
+    def __init__(self, tail: tuple[int, ...] = ()):
+        self.tail = tail
+        self.a = np.full((0, *tail), np.nan)
+        self.m = np.zeros((0, *tail), dtype=bool)
+        self.n = 0  # rows in use: 1 + the largest row written
+
+    def put(self, row: int, value: float) -> None:
+        """Write one value (tables without a tail)."""
+        self._grow(row)
+        self.a[row], self.m[row] = value, True
+
+    def at(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views (values, written-mask) of one row (tables with a tail), allocating up to it."""
+        self._grow(row)
+        return self.a[row], self.m[row]
+
+    def _grow(self, row: int) -> None:
+        if row >= len(self.a):
+            cap = max(64, 2 * len(self.a), row + 1)
+            a = np.full((cap, *self.tail), np.nan)
+            m = np.zeros((cap, *self.tail), dtype=bool)
+            a[: len(self.a)], m[: len(self.m)] = self.a, self.m
+            self.a, self.m = a, m
+        self.n = max(self.n, row + 1)
+
+    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` rows (padded with NaN / False beyond what was written)."""
+        if n <= len(self.a):
+            return self.a[:n], self.m[:n]
+        a = np.full((n, *self.tail), np.nan)
+        m = np.zeros((n, *self.tail), dtype=bool)
+        a[: len(self.a)], m[: len(self.m)] = self.a, self.m
+        return a, m
 
 
 class _OptState:
@@ -220,14 +266,15 @@ class Monitor:
             self._handles.append(st.opt.register_step_post_hook(self._make_hook(st, pre=False)))
         self._step = -1  # index of the current row (-1 before the first update)
         self._stepped: set[int] = set()
-        self._rows: dict[int, dict[str, float]] = {}  # logged scalars
-        self._suff: dict[int, dict[int, dict[str, float]]] = {}  # row -> optimizer -> statistics
-        self._logged: dict[str, None] = {}  # logged channel names, in order of appearance
+        self._stats = _Table((len(self._opts), _NF))  # row -> optimizer -> statistics (_F_*)
+        self._logged: dict[str, _Table] = {}  # logged scalars by name, in order of appearance
         self._layer_names: list[str] = []
         self._layer_index: dict[int, int] = {}
-        self._layer_rows: dict[int, dict[str, np.ndarray]] = {}
+        self._layers: dict[str, _Table] = {}
         if per_layer:
             self._init_layers(model)
+            L = len(self._layer_names)
+            self._layers = {"layer_grad_norm": _Table((L,)), "layer_update_ratio": _Table((L,))}
 
     # -- public API ---------------------------------------------------------------
     @property
@@ -250,10 +297,13 @@ class Monitor:
         if not self.enabled:
             return
         s = max(self._step, 0) if step is None else int(step)
-        row = self._rows.setdefault(s, {})
+        if s < 0:
+            raise ValueError(f"step must be >= 0, got {step!r}")
         for k, v in scalars.items():
-            row[k] = _NAN if v is None else _as_float(v)
-            self._logged.setdefault(k, None)
+            col = self._logged.get(k)
+            if col is None:
+                col = self._logged[k] = _Table()
+            col.put(s, _NAN if v is None else _as_float(v))
 
     def microbatch_coherence(self, grads: Sequence[Sequence[torch.Tensor] | torch.Tensor],
                              step: int | None = None) -> float:
@@ -269,8 +319,7 @@ class Monitor:
             h.remove()
         self._handles.clear()
         for st in self._opts:
-            st.buf = None
-            st.views = []
+            st.buf, st.res, st.rows, st.out, st.adam = None, None, [], [], None
             st.key = ()
 
     def __enter__(self) -> Monitor:
@@ -283,7 +332,27 @@ class Monitor:
         """All channels of row ``step`` (default: the current one) as a dict, e.g.
         ``mon.row().get("grad_norm")`` right after ``optimizer.step()``."""
         s = self._step if step is None else int(step)
-        return {**self._derive_row(s), **self._rows.get(s, {})}
+        if s < 0:
+            return {}
+        out: dict[str, float] = {}
+        if s < self._stats.n:
+            st_a, st_m = self._stats.rows(s + 1)
+            if st_m[s].any():
+                out = {k: float(v[0]) for k, v in self._derive(st_a[s:s + 1]).items()}
+        for k, col in self._logged.items():
+            if s < col.n and col.m[s]:
+                out[k] = float(col.a[s])
+        return out
+
+    def grad_norm(self, step: int | None = None) -> float:
+        """Global gradient norm of row ``step`` (default: the current one), cheaply (no other
+        channel is derived); NaN where no optimizer recorded a gradient in that row."""
+        s = self._step if step is None else int(step)
+        if not 0 <= s < self._stats.n:
+            return _NAN
+        S = self._stats.a[s]
+        has = S[:, _F_KIND] >= _K_GRAD
+        return math.sqrt(float(S[has, _F_G2].sum())) if has.any() else _NAN
 
     def channels(self) -> list[str]:
         """Names of the ``step`` variables ``to_dataset`` returns, in order."""
@@ -296,42 +365,44 @@ class Monitor:
         """All rows as an ``xarray.Dataset`` with dimension ``step`` (float64 channels).
 
         Optimizer channels are present (NaN) even before any update, so the schema
-        does not depend on what happened.
+        does not depend on what happened. A logged scalar named like a channel
+        replaces the computed value where it was logged.
         """
         import xarray as xr
 
-        steps = np.array(sorted(set(self._rows) | set(self._suff)), dtype=np.int64)
-        derived = {int(s): self._derive_row(int(s)) for s in steps}
+        n = max([self._stats.n, *(c.n for c in self._logged.values())], default=0)
+        st_a, st_m = self._stats.rows(n)
+        logged = {k: c.rows(n) for k, c in self._logged.items()}
+        present = st_m.any(axis=(1, 2))
+        for _, m in logged.values():
+            present |= m
+        steps = np.flatnonzero(present).astype(np.int64)
+        derived = self._derive(st_a[steps])
         data_vars = {}
         for ch in self.channels():
-            arr = np.array([self._rows.get(int(s), {}).get(ch, derived[int(s)].get(ch, _NAN)) for s in steps],
-                           dtype=np.float64)
-            data_vars[ch] = ("step", arr, {"long_name": self._long_name(ch)})
+            arr = derived.get(ch, np.full(len(steps), np.nan))
+            if ch in logged:
+                a, m = logged[ch]
+                arr = np.where(m[steps], a[steps], arr)
+            data_vars[ch] = ("step", np.asarray(arr, dtype=np.float64), {"long_name": self._long_name(ch)})
         coords: dict[str, Any] = {"step": ("step", steps, {"long_name": "optimizer update index"})}
         if self.per_layer and self._layer_names:
-            L = len(self._layer_names)
-            for ch in ("layer_grad_norm", "layer_update_ratio"):
-                arr = np.full((len(steps), L), np.nan)
-                for i, s in enumerate(steps):
-                    v = self._layer_rows.get(int(s), {}).get(ch)
-                    if v is not None:
-                        arr[i] = v
-                data_vars[ch] = (("step", "layer"), arr, {"long_name": LONG_NAMES[ch]})
+            for ch, tab in self._layers.items():
+                data_vars[ch] = (("step", "layer"), tab.rows(n)[0][steps], {"long_name": LONG_NAMES[ch]})
             coords["layer"] = ("layer", np.array(self._layer_names, dtype=str))
         return xr.Dataset(data_vars, coords=coords, attrs={"monitor_every": self.every})
 
     # -- internals ----------------------------------------------------------------
-    def _derive_row(self, s: int) -> dict[str, float]:
-        per_opt = self._suff.get(s)
-        if not per_opt:
-            return {}
-        out = _derive(list(per_opt.values()))
-        out["lr"] = next(iter(per_opt.values()))["lr_primary"]
+    def _derive(self, S: np.ndarray) -> dict[str, np.ndarray]:
+        """Channels of rows ``S`` (rows x optimizers x fields): global ones, with the
+        primary's lr read by the first optimizer that stepped in the row, and per optimizer."""
+        out = _derive(S)
+        first = S[..., _F_ORDER] == 0
+        out["lr"] = np.where(first.any(1), np.nansum(np.where(first, S[..., _F_LRP], 0.0), 1), np.nan)
         if self._multi:
-            for i, suff in per_opt.items():
-                name = self._opts[i].name
-                for k, v in _derive([suff]).items():
-                    out[f"{k}_{name}"] = v
+            for i, st in enumerate(self._opts):
+                for k, v in _derive(S[:, i:i + 1]).items():
+                    out[f"{k}_{st.name}"] = v
         return out
 
     def _long_name(self, ch: str) -> str:
@@ -430,20 +501,25 @@ class Monitor:
     def _post(self, st: _OptState) -> None:
         s = self._step
         params, st.params = st.params, []
-        suff: dict[str, float] = {"lr": st.pre["lr"], "lr_primary": st.pre["lr_primary"]}
-        self._suff.setdefault(s, {})[st.index] = suff
+        rows, written = self._stats.at(s)
+        rec = rows[st.index]
+        rec[_F_ORDER] = written[:, 0].sum()  # 0 for the first optimizer stepping in this row
+        written[st.index] = True
+        rec[_F_LR], rec[_F_LRP] = st.pre["lr"], st.pre["lr_primary"]
         if not params:
+            rec[_F_KIND] = _K_NOPARAMS
             return
         if not st.measuring:
             layer_g = st.pre.get("layer_g")
             if layer_g is not None:
                 vals = torch.cat([st.pre["g2"].reshape(1), torch.stack(layer_g)]).tolist()
                 self._store_layers(s, params, vals[1:], None)
-                suff["g2"] = vals[0]
+                g2 = vals[0]
             else:
-                suff["g2"] = float(st.pre["g2"].item())
+                g2 = float(st.pre["g2"].item())
+            rec[_F_KIND], rec[_F_G2] = _K_GRAD, g2
             if st.kept:
-                st.prev_g2 = suff["g2"]
+                st.prev_g2 = g2
             return
         buf, res, out = st.buf, st.res, st.out
         neg_u = buf[2]
@@ -460,8 +536,9 @@ class Monitor:
                 vals = torch.cat([res, *layer]).tolist()
             else:
                 vals = res.tolist()  # the one host sync of this step
-        suff.update(g2=vals[_G2], gp2=st.prev_g2, gpg=vals[_GPG], w2=vals[_W2], u2=vals[_U2], ug=-vals[_NUG],
-                    has_prev=1.0 if has_prev else 0.0)
+        rec[_F_KIND] = _K_FULL
+        rec[_F_G2], rec[_F_GP2], rec[_F_GPG], rec[_F_W2] = vals[_G2], st.prev_g2, vals[_GPG], vals[_W2]
+        rec[_F_U2], rec[_F_UG], rec[_F_PREV] = vals[_U2], -vals[_NUG], 1.0 if has_prev else 0.0
         if self.per_layer:
             P = len(params)
             g_l, u_l, w_l = vals[_NRES:_NRES + P], vals[_NRES + P:_NRES + 2 * P], vals[_NRES + 2 * P:_NRES + 3 * P]
@@ -469,7 +546,9 @@ class Monitor:
             self._store_layers(s, params, g_l, ratio)
         if adam is not None:
             bc1, bc2 = adam
-            suff.update(m2=vals[_M2] / bc1**2, vsum=vals[_VSUM] / bc2, nbelow=vals[_NBELOW], n=float(buf.shape[1]))
+            rec[_F_KIND] = _K_ADAM
+            rec[_F_M2], rec[_F_VSUM], rec[_F_NBELOW] = vals[_M2] / bc1**2, vals[_VSUM] / bc2, vals[_NBELOW]
+            rec[_F_N] = float(buf.shape[1])
         st.prev_step = s
         st.prev_g2 = vals[_G2]
         st.last_measured = s
@@ -493,10 +572,8 @@ class Monitor:
         return out
 
     def _store_layers(self, s: int, params, g_l, ratio) -> None:
-        L = len(self._layer_names)
-        rec = self._layer_rows.setdefault(s, {})
-        g_arr = rec.setdefault("layer_grad_norm", np.full(L, np.nan))
-        r_arr = rec.setdefault("layer_update_ratio", np.full(L, np.nan))
+        g_arr = self._layers["layer_grad_norm"].at(s)[0]
+        r_arr = self._layers["layer_update_ratio"].at(s)[0]
         for j, p in enumerate(params):
             i = self._layer_index.get(id(p))
             if i is None:
@@ -639,31 +716,38 @@ def _per_coord(values: list[float], sizes: list[int], device: torch.device) -> t
                                    torch.tensor(sizes, device=device))
 
 
-def _derive(suffs: list[dict[str, float]]) -> dict[str, float]:
-    """Channels from the summed statistics of the optimizers stepped in one row."""
-    def tot(key: str, among: list[dict[str, float]]) -> float:
-        return float(sum(d[key] for d in among))
+def _derive(S: np.ndarray) -> dict[str, np.ndarray]:
+    """Channels from the statistics ``S`` (rows x optimizers x fields) summed over the
+    optimizers that stepped in each row; ``lr`` is the first optimizer's own lr."""
+    kind = S[..., _F_KIND]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        def tot(field: int, among: np.ndarray) -> np.ndarray:
+            return np.where(among, S[..., field], 0.0).sum(1)
 
-    out = {ch: _NAN for ch in OPT_CHANNELS}
-    with_g = [d for d in suffs if "g2" in d]
-    if with_g:
-        out["grad_norm"] = math.sqrt(tot("g2", with_g))
-    full = [d for d in suffs if "u2" in d]
-    if full:
-        g2, u2, w2, ug = (tot(k, full) for k in ("g2", "u2", "w2", "ug"))
-        out["update_norm"] = math.sqrt(u2)
-        out["update_ratio"] = math.sqrt(u2) / math.sqrt(w2) if w2 > 0 else _NAN
-        out["update_grad_cos"] = -ug / math.sqrt(u2 * g2) if u2 > 0 and g2 > 0 else _NAN
-        prev = [d for d in full if d.get("has_prev")]
-        if prev:
-            g2p, gp2, gpg = (tot(k, prev) for k in ("g2", "gp2", "gpg"))
-            out["xgrad"] = gpg / math.sqrt(g2p * gp2) if g2p > 0 and gp2 > 0 else _NAN
-        adam = [d for d in full if "m2" in d]
-        if adam:
-            n = tot("n", adam)
-            out["adam_m_norm"] = math.sqrt(tot("m2", adam))
-            out["adam_v_mean"] = tot("vsum", adam) / n
-            out["adam_eps_frac"] = tot("nbelow", adam) / n
-    if suffs:
-        out["lr"] = suffs[0]["lr"]
+        def any_(among: np.ndarray) -> np.ndarray:
+            return among.any(1)
+
+        nan = np.full(len(S), np.nan)
+        out = {ch: nan for ch in OPT_CHANNELS}
+        with_g = kind >= _K_GRAD
+        out["grad_norm"] = np.where(any_(with_g), np.sqrt(tot(_F_G2, with_g)), nan)
+        full = kind >= _K_FULL
+        g2, u2, w2, ug = (tot(f, full) for f in (_F_G2, _F_U2, _F_W2, _F_UG))
+        has = any_(full)
+        out["update_norm"] = np.where(has, np.sqrt(u2), nan)
+        out["update_ratio"] = np.where(has & (w2 > 0), np.sqrt(u2) / np.sqrt(w2), nan)
+        out["update_grad_cos"] = np.where(has & (u2 > 0) & (g2 > 0), -ug / np.sqrt(u2 * g2), nan)
+        prev = full & (S[..., _F_PREV] == 1.0)
+        g2p, gp2, gpg = (tot(f, prev) for f in (_F_G2, _F_GP2, _F_GPG))
+        out["xgrad"] = np.where(any_(prev) & (g2p > 0) & (gp2 > 0), gpg / np.sqrt(g2p * gp2), nan)
+        adam = kind == _K_ADAM
+        n = tot(_F_N, adam)
+        has = any_(adam)
+        out["adam_m_norm"] = np.where(has, np.sqrt(tot(_F_M2, adam)), nan)
+        out["adam_v_mean"] = np.where(has, tot(_F_VSUM, adam) / n, nan)
+        out["adam_eps_frac"] = np.where(has, tot(_F_NBELOW, adam) / n, nan)
+        stepped = ~np.isnan(kind)
+        order = np.where(stepped, S[..., _F_ORDER], np.inf)
+        first = stepped & (order == order.min(1, keepdims=True))
+        out["lr"] = np.where(any_(stepped), tot(_F_LR, first), nan)
     return out

@@ -401,3 +401,36 @@ def test_adam_state_replaced_by_load_state_dict():
     ds = mon.to_dataset()
     assert float(ds.adam_m_norm[-1]) == pytest.approx(m_norm, rel=1e-5)
     assert float(ds.adam_v_mean[-1]) == pytest.approx(v_mean, rel=1e-5)
+
+
+def test_rows_after_storage_grows_match_live_rows():
+    """Storage grows by doubling (64 rows first): values read live with row() right after each
+    step equal what to_dataset returns at the end, with two optimizers stepping in turn."""
+    torch.manual_seed(6)
+    a, b = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    opts = {"a": torch.optim.Adam(a.parameters(), lr=0.01), "b": torch.optim.SGD(b.parameters(), lr=0.05)}
+    mon = Monitor([a, b], opts, every=3)
+    x = torch.randn(16, 3)
+    live = {}
+    for step in range(150):
+        for o in opts.values():
+            o.zero_grad()
+        b(torch.tanh(a(x))).pow(2).mean().backward()
+        opts["a"].step()
+        if step % 2 == 0:  # b steps every other row only
+            opts["b"].step()
+        mon.log(loss=float(step))
+        live[step] = mon.row()
+    ds = mon.to_dataset()
+    assert ds.sizes["step"] == 150 and list(ds.step.values) == list(range(150))
+    for step in (0, 1, 3, 63, 64, 65, 99, 147, 149):
+        for ch, v in live[step].items():
+            assert float(ds[ch].sel(step=step)) == pytest.approx(v, nan_ok=True), (step, ch)
+    assert np.isnan(ds.grad_norm_b.values[1::2]).all() and np.isfinite(ds.grad_norm_b.values[::2]).all()
+    assert np.isfinite(ds.adam_m_norm.values[::3]).all() and np.isnan(ds.adam_m_norm.values[1::3]).all()
+    assert ds.loss.values[-1] == 149.0
+    # the cheap single-row gradient norm agrees with the dataset
+    assert [mon.grad_norm(s) for s in range(150)] == pytest.approx(list(ds.grad_norm.values))
+    assert mon.grad_norm() == pytest.approx(float(ds.grad_norm[-1])) and math.isnan(mon.grad_norm(150))
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        mon.log(step=-1, loss=0.0)
