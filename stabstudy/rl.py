@@ -92,7 +92,9 @@ from stabstudy.spec import Perturbation, RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
-RESULTS_VERSION = 1
+#: 2: the divergence check reads the Monitor's gradient norm (version 1 read a logged value
+#: that was never logged, so a non-finite or exploding gradient norm went unnoticed there).
+RESULTS_VERSION = 2
 
 ALGOS = ("ppo", "sac", "td3", "a2c", "ddpg")
 ON_POLICY = ("ppo", "a2c")
@@ -441,13 +443,14 @@ def _build_callback_class():
             self._train_calls += 1
             diag = self.on_policy or self._train_calls % self.diag_every == 0 or self._train_calls == 1
             vals = getattr(self.model.logger, "name_to_value", {})
-            gn = self.mon._rows.get(self.mon.step, {}).get("grad_norm", 0.0) if self.mon is not None else 0.0
+            # the last update's gradient norm (None without a Monitor or before any update)
+            gn = self.mon.grad_norm() if self.mon is not None and self.mon.step >= 0 else None
             if not diag:  # cheap divergence check only
                 for k in ("train/critic_loss", "train/actor_loss"):
                     v = vals.get(k)
                     if v is not None and (not math.isfinite(v) or abs(v) > self.diverge_threshold):
                         self._diverge(f"exploding/non-finite {k} {v!r} after {n} updates")
-                if not math.isfinite(gn) or abs(gn) > self.diverge_threshold:
+                if gn is not None and (not math.isfinite(gn) or abs(gn) > self.diverge_threshold):
                     self._diverge(f"exploding/non-finite grad_norm {gn!r} after {n} updates")
                 return
             vals = dict(vals)
@@ -484,7 +487,8 @@ def _build_callback_class():
                 check.append(row.get("q_mean", 0.0))
                 if not _finite_params(self.model.policy):
                     self._diverge("non-finite parameters")
-            check.append(gn)
+            if gn is not None:
+                check.append(gn)
             for v in check:
                 if not math.isfinite(v) or abs(v) > self.diverge_threshold:
                     self._diverge(f"exploding/non-finite training value {v!r} after {n} updates")
