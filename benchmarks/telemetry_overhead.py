@@ -3,9 +3,12 @@ then our lambda_max against PyHessian's power iteration.
 
 Two training loops -- a small GPT (``stabstudy.gpt.GPT``, AdamW, as in ``stabstudy.lm``)
 and the toy tanh MLP (``stabstudy.toy.MLP``, Adam, MSE) -- each run with the Monitor
-off, on with ``every=1`` and on with ``every=10``. Variants are timed in interleaved
-repeats (off, every=1, every=10, off, ...) so that load from other processes hits
-them alike; the table shows the median time per training step and the ratio to "off".
+off, on with ``every=1`` and on with ``every=10``. The variants share one model and
+optimizer per workload (separate instances differ by a few percent in speed by themselves)
+and are timed in interleaved repeats whose order rotates, so that load from other processes
+hits them alike; the table shows the median time per training step and the median, with
+quartiles, of the per-repeat ratios to "off". ``--paper-gpt`` adds the paper-profile model
+(6x384, 32x256 tokens per step; ``--paper-steps`` / ``--paper-repeats``, no lambda_max row).
 Then one ``lambda_max`` measurement (the default Lanczos, ``tol=0`` so it spends its whole
 budget of 20 Hessian-vector products, on one batch) is timed and expressed in
 training-step equivalents.
@@ -24,7 +27,7 @@ with a criterion computing the loss as ``GPT.forward`` does. Two reference rows 
 to ``tol=1e-8``: the top eigenvalue, and the bottom one from ``-loss``) show which value
 is right. If PyHessian is missing or fails, its row says why and the rest still prints.
 
-    OMP_NUM_THREADS=1 python benchmarks/telemetry_overhead.py [--steps 20] [--repeats 7]
+    OMP_NUM_THREADS=1 python benchmarks/telemetry_overhead.py [--steps 20] [--repeats 7] [--paper-gpt]
     OMP_NUM_THREADS=1 python benchmarks/telemetry_overhead.py --only-curvature
 """
 
@@ -49,8 +52,8 @@ VARIANTS = (("off", 0), ("every=1", 1), ("every=10", 10))
 
 
 def gpt_workload(args):
-    hp = {**lm.DEFAULTS, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": max(args.n_embd // 32, 1),
-          "block_size": args.block}
+    n_head = getattr(args, "n_head", None) or max(args.n_embd // 32, 1)
+    hp = {**lm.DEFAULTS, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": n_head, "block_size": args.block}
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 256, (args.batch, args.block), generator=g),
                 torch.randint(0, 256, (args.batch, args.block), generator=g)) for _ in range(args.steps)]
@@ -129,41 +132,95 @@ def time_steps(model, opt, mon, loss_of, batches) -> float:
     return (time.perf_counter() - t0) / len(batches)
 
 
-def bench(name, workload, args) -> list[dict]:
+def timed_hooks(mon: Monitor) -> list[float]:
+    """Accumulate the wall time spent inside the Monitor's hook bodies (seconds, in [0])."""
+    acc = [0.0]
+    for name in ("_pre", "_post"):
+        body = getattr(mon, name)
+
+        def timed(st, body=body):
+            t0 = time.perf_counter()
+            body(st)
+            acc[0] += time.perf_counter() - t0
+
+        setattr(mon, name, timed)  # the registered hooks look the bodies up on each call
+    return acc
+
+
+def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
     """Per-step time of each variant on ONE model and optimizer (separate instances differ by a
     few percent in speed on their own, from memory placement), in interleaved repeats whose
     order rotates; each Monitor is attached for its repeat only (one untimed warm-up step
-    allocates its buffers) and closed after it. Ratios are paired within a repeat."""
+    allocates its buffers) and closed after it. Ratios are paired within a repeat. The time
+    spent inside the Monitor's hooks is also accumulated: a low-noise lower bound of its cost
+    (it misses the cache misses the Monitor causes the rest of the step)."""
     make, loss_of, batches, _ = workload(args)
     model, opt = make()
     time_steps(model, opt, None, loss_of, batches[:3])  # warm-up: Adam state, allocator
     times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
+    hooks: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
     for rep in range(args.repeats):
         k = rep % len(VARIANTS)
         for label, every in VARIANTS[k:] + VARIANTS[:k]:
             mon = Monitor(model, opt, every=every) if every else None
+            acc = [0.0]
             if mon is not None:
                 time_steps(model, opt, mon, loss_of, batches[:1])
+                acc = timed_hooks(mon)
             times[label].append(time_steps(model, opt, mon, loss_of, batches))
+            hooks[label].append(acc[0] / len(batches))
             if mon is not None:
                 mon.close()
     med = {k: statistics.median(v) for k, v in times.items()}
-    # one lambda_max measurement (fixed 20 HVPs: tol=0) on the first batch
-    x, y = batches[0]
     params = [p for p in model.parameters() if p.requires_grad]
-    lam_t = statistics.median(
-        curvature.lambda_max(lambda: loss_of(model, x, y), params, iters=20, tol=0.0, seed=0).wall_s
-        for _ in range(max(args.repeats // 2, 1)))
     n_params = sum(p.numel() for p in params)
     rows = []
     for label, _ in VARIANTS:
         paired = [t / t0 for t, t0 in zip(times[label], times["off"], strict=True)]
         q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
+        hook_ms = statistics.median(hooks[label]) * 1e3
         rows.append({"workload": name, "variant": label, "params": n_params, "ms_per_step": med[label] * 1e3,
-                     "ratio": q2, "ratio_iqr": (q1, q3)})
-    rows.append({"workload": name, "variant": "lambda_max (20 HVP)", "params": n_params, "ms_per_step": lam_t * 1e3,
-                 "ratio": lam_t / med["off"]})
+                     "ratio": q2, "ratio_iqr": (q1, q3), "hook_ms": hook_ms,
+                     "hook_frac": hook_ms / (med["off"] * 1e3)})
+    if with_lambda:  # one lambda_max measurement (fixed 20 HVPs: tol=0) on the first batch
+        x, y = batches[0]
+        lam_t = statistics.median(
+            curvature.lambda_max(lambda: loss_of(model, x, y), params, iters=20, tol=0.0, seed=0).wall_s
+            for _ in range(max(args.repeats // 2, 1)))
+        rows.append({"workload": name, "variant": "lambda_max (20 HVP)", "params": n_params,
+                     "ms_per_step": lam_t * 1e3, "ratio": lam_t / med["off"]})
     return rows
+
+
+def storage_cost(rows: int = 20000) -> list[dict]:
+    """Python/numpy memory the Monitor keeps per row (tracemalloc; torch's own buffers are
+    not counted and do not grow) and the time of ``to_dataset``, for one optimizer and for
+    three (as SAC), with ``every=1`` and ``every=10``. Steps are driven with tiny
+    parameters so that only the storage differs from a real run."""
+    import tracemalloc
+
+    out = []
+    for n_opt in (1, 3):
+        for every in (1, 10):
+            params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(n_opt)]
+            opts = {f"o{i}": torch.optim.Adam([p], lr=1e-3) for i, p in enumerate(params)}
+            mon = Monitor(None, opts, every=every)
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            for _ in range(rows):
+                for p, o in zip(params, opts.values(), strict=True):
+                    p.grad = torch.ones(4)
+                    o.step()
+                mon.log(loss=1.0)
+            held = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+            t0 = time.perf_counter()
+            ds = mon.to_dataset()
+            t_ds = time.perf_counter() - t0
+            assert ds.sizes["step"] == rows
+            mon.close()
+            out.append({"optimizers": n_opt, "every": every, "bytes_per_row": held / rows, "to_dataset_s": t_ds})
+    return out
 
 
 def pyhessian_top(model, criterion, x, y, *, max_iter: int, tol: float, seed: int = 0) -> tuple[float, int, float]:
@@ -272,6 +329,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--mlp-width", type=int, default=256)
     ap.add_argument("--mlp-batch", type=int, default=128)
+    ap.add_argument("--paper-gpt", action="store_true",
+                    help="also time the paper-profile GPT (6x384, 6 heads, 32x256 tokens; ~6 s per step on one core)")
+    ap.add_argument("--paper-steps", type=int, default=2, help="steps per timed repeat of --paper-gpt")
+    ap.add_argument("--paper-repeats", type=int, default=3, help="repeats of --paper-gpt")
+    ap.add_argument("--storage-rows", type=int, default=20000, help="rows of the storage measurement")
     ap.add_argument("--only-curvature", action="store_true", help="skip the overhead table")
     ap.add_argument("--curv-iters", type=int, default=100, help="HVP budget of each eigensolver")
     ap.add_argument("--curv-tol", type=float, default=1e-3, help="tolerance of each eigensolver")
@@ -279,7 +341,16 @@ def main() -> None:
     ap.add_argument("--ref-iters", type=int, default=300, help="HVP budget of the tol=1e-8 reference runs")
     args = ap.parse_args()
     if not args.only_curvature:
-        print_overhead(bench("gpt", gpt_workload, args) + bench("mlp", mlp_workload, args), args)
+        rows = bench("gpt", gpt_workload, args) + bench("mlp", mlp_workload, args)
+        if args.paper_gpt:
+            paper = argparse.Namespace(**{**vars(args), "n_layer": 6, "n_embd": 384, "n_head": 6, "block": 256,
+                                          "batch": 32, "steps": args.paper_steps, "repeats": args.paper_repeats})
+            rows += bench("gpt-paper", gpt_workload, paper, with_lambda=False)
+        print_overhead(rows, args)
+        print(f"\nMonitor storage ({args.storage_rows} rows; tracemalloc, torch buffers not counted)")
+        print(f"{'optimizers':>10}{'every':>7}{'bytes/row':>11}{'to_dataset s':>14}")
+        for r in storage_cost(args.storage_rows):
+            print(f"{r['optimizers']:>10}{r['every']:>7}{r['bytes_per_row']:>11.0f}{r['to_dataset_s']:>14.3f}")
     print_curvature(compare_curvature("gpt", gpt_workload, args) + compare_curvature("mlp", mlp_workload, args),
                     args)
 
@@ -288,14 +359,17 @@ def print_overhead(rows, args) -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); {args.repeats} interleaved repeats of "
           f"{args.steps} steps on one model per workload; ms/step: median; ratio: median of the per-repeat ratios "
           f"to off [quartiles] (timings include other processes' load)")
-    print(f"{'workload':<9}{'variant':<22}{'params':>9}{'ms/step':>10}{'ratio to off':>14}  quartiles")
+    print("in hooks: median time inside the Monitor's hooks per step, and as a fraction of the 'off' step")
+    print(f"{'workload':<11}{'variant':<21}{'params':>9}{'ms/step':>10}{'ratio to off':>14}{'quartiles':>18}"
+          f"{'in hooks ms':>13}{'fraction':>10}")
     for r in rows:
         if r["variant"].startswith("lambda"):
             tail = "x (step equivalents)"
         else:
             lo, hi = r["ratio_iqr"]
-            tail = f"x  [{lo:.3f}, {hi:.3f}]"
-        print(f"{r['workload']:<9}{r['variant']:<22}{r['params']:>9}{r['ms_per_step']:>10.3f}{r['ratio']:>13.3f}{tail}")
+            tail = f"x  [{lo:.3f}, {hi:.3f}]{r['hook_ms']:>13.3f}{100 * r['hook_frac']:>9.1f}%"
+        print(f"{r['workload']:<11}{r['variant']:<21}{r['params']:>9}{r['ms_per_step']:>10.1f}{r['ratio']:>13.3f}"
+              f"{tail}")
 
 
 if __name__ == "__main__":
