@@ -180,6 +180,7 @@ class _OptState:
         self.params: list[torch.Tensor] = []
         self.measuring = False
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
+        self.order = 0  # how many optimizers stepped before this one in the current row
         self.pre: dict[str, Any] = {}
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
@@ -455,6 +456,7 @@ class Monitor:
 
     def _pre(self, st: _OptState) -> None:
         self._open_row_if_needed(st)
+        st.order = len(self._stepped) - 1  # 0 for the first optimizer stepping in this row
         s = self._step
         params = st.stepped_params()
         st.params = params
@@ -467,43 +469,43 @@ class Monitor:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
         measure = s % self.every == 0
+        if not measure and not (self.every > 1 and (s + 1) % self.every == 0):
+            norms = torch.stack(torch._foreach_norm(grads))
+            st.pre["g2"] = torch.dot(norms, norms)
+            if self.per_layer:
+                st.pre["layer_g"] = norms
+            return
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
-            if measure or (self.every > 1 and (s + 1) % self.every == 0):
-                st.prepare(params)
-                # copies by foreach (grads are new tensors each step: no cached flat views); the
-                # dot products of a row right after writing it, while it is in cache
-                torch._foreach_copy_(st.rows[st.slot], grads)
-                if measure:
-                    g, out = st.buf[st.slot], st.out
-                    torch.dot(g, g, out=out[_G2])
-                    if st.prev_step == s - 1:
-                        torch.dot(g, st.buf[1 - st.slot], out=out[_GPG])
-                    torch._foreach_copy_(st.rows[2], params)  # w_before
-                    w = st.buf[2]
-                    torch.dot(w, w, out=out[_W2])
-                    if self.per_layer:
-                        st.pre["layer_w"] = torch._foreach_norm(st.rows[2])
-                    st.measuring = True
-                    return
-                g = st.buf[st.slot]
-                st.pre["g2"] = g.dot(g)  # keep this gradient for the next step's xgrad
-                st.kept = True
-                st.prev_step = s
-                st.slot = 1 - st.slot
+            st.prepare(params)
+            # copies by foreach (grads are new tensors each step: no cached flat views); the
+            # dot products of a row right after writing it, while it is in cache
+            torch._foreach_copy_(st.rows[st.slot], grads)
+            if measure:
+                g, out = st.buf[st.slot], st.out
+                torch.dot(g, g, out=out[_G2])
+                if st.prev_step == s - 1:
+                    torch.dot(g, st.buf[1 - st.slot], out=out[_GPG])
+                torch._foreach_copy_(st.rows[2], params)  # w_before
+                w = st.buf[2]
+                torch.dot(w, w, out=out[_W2])
                 if self.per_layer:
-                    st.pre["layer_g"] = torch._foreach_norm(grads)
-            else:
-                norms = torch._foreach_norm(grads)
-                st.pre["g2"] = torch.stack(norms).pow(2).sum()
-                if self.per_layer:
-                    st.pre["layer_g"] = norms
+                    st.pre["layer_w"] = torch._foreach_norm(st.rows[2])
+                st.measuring = True
+                return
+            g = st.buf[st.slot]
+            st.pre["g2"] = g.dot(g)  # keep this gradient for the next step's xgrad
+            st.kept = True
+            st.prev_step = s
+            st.slot = 1 - st.slot
+            if self.per_layer:
+                st.pre["layer_g"] = torch.stack(torch._foreach_norm(grads))
 
     def _post(self, st: _OptState) -> None:
         s = self._step
         params, st.params = st.params, []
         rows, written = self._stats.at(s)
         rec = rows[st.index]
-        rec[_F_ORDER] = written[:, 0].sum()  # 0 for the first optimizer stepping in this row
+        rec[_F_ORDER] = st.order
         written[st.index] = True
         rec[_F_LR], rec[_F_LRP] = st.pre["lr"], st.pre["lr_primary"]
         if not params:
@@ -512,7 +514,7 @@ class Monitor:
         if not st.measuring:
             layer_g = st.pre.get("layer_g")
             if layer_g is not None:
-                vals = torch.cat([st.pre["g2"].reshape(1), torch.stack(layer_g)]).tolist()
+                vals = torch.cat([st.pre["g2"].reshape(1), layer_g]).tolist()
                 self._store_layers(s, params, vals[1:], None)
                 g2 = vals[0]
             else:
