@@ -351,9 +351,11 @@ class Monitor:
         s = self._step if step is None else int(step)
         if not 0 <= s < self._stats.n:
             return _NAN
-        S = self._stats.a[s]
-        has = S[:, _F_KIND] >= _K_GRAD
-        return math.sqrt(float(S[has, _F_G2].sum())) if has.any() else _NAN
+        g2, seen = 0.0, False
+        for kind, v in self._stats.a[s, :, [_F_KIND, _F_G2]].T.tolist():  # plain floats: no numpy per call
+            if kind >= _K_GRAD:
+                g2, seen = g2 + v, True
+        return math.sqrt(g2) if seen else _NAN
 
     def channels(self) -> list[str]:
         """Names of the ``step`` variables ``to_dataset`` returns, in order."""
