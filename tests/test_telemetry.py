@@ -280,6 +280,22 @@ def test_nonfinite_gradient_does_not_crash():
     assert np.isnan(ds.grad_norm.values[0])
 
 
+def _adam_expected(opt) -> tuple[float, float, float]:
+    """||m_hat||, mean(v_hat), frac(sqrt(v_hat) < eps) from the optimizer state, per-parameter step counts."""
+    m_hat, v_hat, below = [], [], []
+    for g in opt.param_groups:
+        b1, b2 = g["betas"]
+        for p in g["params"]:
+            st = opt.state[p]
+            t = float(st["step"])
+            m_hat.append((st["exp_avg"] / (1 - b1**t)).reshape(-1))
+            vh = (st["exp_avg_sq"] / (1 - b2**t)).reshape(-1)
+            v_hat.append(vh)
+            below.append(vh.sqrt() < g["eps"])
+    m, v, b = torch.cat(m_hat), torch.cat(v_hat), torch.cat(below)
+    return m.norm().item(), v.mean().item(), b.float().mean().item()
+
+
 def test_adam_param_groups_with_different_hyperparameters():
     """Per-group betas / eps (the slow, per-coordinate bias-correction path) against the state."""
     torch.manual_seed(3)
@@ -294,20 +310,10 @@ def test_adam_param_groups_with_different_hyperparameters():
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
     ds = mon.to_dataset()
-    m_hat, v_hat, below = [], [], []
-    for g in opt.param_groups:
-        b1, b2 = g["betas"]
-        for p in g["params"]:
-            st = opt.state[p]
-            t = float(st["step"])
-            m_hat.append((st["exp_avg"] / (1 - b1**t)).reshape(-1))
-            vh = (st["exp_avg_sq"] / (1 - b2**t)).reshape(-1)
-            v_hat.append(vh)
-            below.append(vh.sqrt() < g["eps"])
-    m_hat, v_hat, below = torch.cat(m_hat), torch.cat(v_hat), torch.cat(below)
-    assert ds.adam_m_norm.values[-1] == pytest.approx(m_hat.norm().item(), rel=1e-5)
-    assert ds.adam_v_mean.values[-1] == pytest.approx(v_hat.mean().item(), rel=1e-5)
-    assert ds.adam_eps_frac.values[-1] == pytest.approx(below.float().mean().item())
+    m_norm, v_mean, frac = _adam_expected(opt)
+    assert ds.adam_m_norm.values[-1] == pytest.approx(m_norm, rel=1e-5)
+    assert ds.adam_v_mean.values[-1] == pytest.approx(v_mean, rel=1e-5)
+    assert ds.adam_eps_frac.values[-1] == pytest.approx(frac)
     assert 0 < ds.adam_eps_frac.values[-1] < 1
 
 
@@ -325,22 +331,6 @@ def test_parameter_storage_moved_after_attach():
     opt.step()
     w1 = torch.cat([p.detach().reshape(-1) for p in lin.parameters()])
     assert mon.to_dataset().update_norm.values[-1] == pytest.approx((w1 - w0).norm().item(), rel=1e-5)
-
-
-def _adam_expected(opt) -> tuple[float, float, float]:
-    """||m_hat||, mean(v_hat), frac(sqrt(v_hat) < eps) from the optimizer state, per-parameter step counts."""
-    m_hat, v_hat, below = [], [], []
-    for g in opt.param_groups:
-        b1, b2 = g["betas"]
-        for p in g["params"]:
-            st = opt.state[p]
-            t = float(st["step"])
-            m_hat.append((st["exp_avg"] / (1 - b1**t)).reshape(-1))
-            vh = (st["exp_avg_sq"] / (1 - b2**t)).reshape(-1)
-            v_hat.append(vh)
-            below.append(vh.sqrt() < g["eps"])
-    m, v, b = torch.cat(m_hat), torch.cat(v_hat), torch.cat(below)
-    return m.norm().item(), v.mean().item(), b.float().mean().item()
 
 
 @pytest.mark.parametrize("every", [1, 4])
