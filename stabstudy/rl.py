@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -146,8 +147,22 @@ def check_env_id(task: str) -> None:
         )
 
 
+def _route_mujoco_warnings() -> None:
+    """Send MuJoCo's C-level warnings through Python's ``warnings`` (shown once per process)
+    instead of printing them on every model compile (gymnasium's HalfCheetah-v5 XML triggers a
+    deprecation warning each time) and appending them to MUJOCO_LOG.TXT. A handler the user
+    installed is left alone."""
+    try:
+        import mujoco
+    except ImportError:  # not a MuJoCo task
+        return
+    if mujoco.get_mju_user_warning() is None:
+        mujoco.set_mju_user_warning(lambda msg: warnings.warn(f"MuJoCo: {msg}", RuntimeWarning, stacklevel=2))
+
+
 def _make_base(task: str, max_episode_steps: int = 0):
     check_env_id(task)
+    _route_mujoco_warnings()
     gym = _gym()
     kw = {"max_episode_steps": int(max_episode_steps)} if max_episode_steps else {}
     return gym.make(task, **kw)

@@ -245,3 +245,12 @@ def test_callback_in_a_plain_sb3_script():
     np.testing.assert_allclose(ds.lr_critic.where(inside, drop=True).values, 5e-3)
     # hooks are gone and the lr is back to SB3's value
     assert all(g["lr"] == pytest.approx(1e-3) for g in model.critic.optimizer.param_groups)
+
+
+def test_mujoco_warnings_go_through_python_warnings(tmp_path, monkeypatch):
+    """MuJoCo's compile warning about HalfCheetah-v5's XML becomes a Python warning (shown once
+    per process in notebooks) instead of a print on every env and a MUJOCO_LOG.TXT file."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(RuntimeWarning, match="MuJoCo: .*settotalmass"):
+        rl._make_base("HalfCheetah-v5").close()
+    assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
