@@ -472,7 +472,8 @@ class Monitor:
         grads = [p.grad for p in params]
         measure = s % self.every == 0
         if not measure and not (self.every > 1 and (s + 1) % self.every == 0):
-            norms = torch.stack(torch._foreach_norm(grads))
+            # float32 norms: a half-precision gradient's norm overflows float16 long before its entries do
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             st.pre["g2"] = torch.dot(norms, norms)
             if self.per_layer:
                 st.pre["layer_g"] = norms
@@ -500,7 +501,7 @@ class Monitor:
             st.prev_step = s
             st.slot = 1 - st.slot
             if self.per_layer:
-                st.pre["layer_g"] = torch.stack(torch._foreach_norm(grads))
+                st.pre["layer_g"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
 
     def _post(self, st: _OptState) -> None:
         s = self._step

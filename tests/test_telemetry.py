@@ -424,3 +424,17 @@ def test_rows_after_storage_grows_match_live_rows():
     assert mon.grad_norm() == pytest.approx(float(ds.grad_norm[-1])) and math.isnan(mon.grad_norm(150))
     with pytest.raises(ValueError, match="step must be >= 0"):
         mon.log(step=-1, loss=0.0)
+
+
+@pytest.mark.parametrize("every", [1, 3])  # every=3: step 1 takes the norm-only path, step 2 keeps the gradient
+def test_half_precision_gradient_norm_does_not_overflow(every):
+    """A float16 gradient whose entries are representable but whose norm exceeds float16's
+    range (65504) still gives a finite, exact grad_norm, on measured and unmeasured steps."""
+    w = torch.nn.Parameter(torch.zeros(2000, dtype=torch.float16))
+    opt = torch.optim.SGD([w], lr=0.0)
+    mon = Monitor(None, opt, every=every)
+    for _ in range(3):
+        w.grad = torch.full((2000,), 3000.0, dtype=torch.float16)
+        opt.step()
+    expected = 3000.0 * math.sqrt(2000)  # 134,164: beyond float16
+    assert mon.to_dataset().grad_norm.values == pytest.approx([expected] * 3, rel=1e-5)  # float32 sums
