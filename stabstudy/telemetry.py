@@ -442,6 +442,8 @@ class Monitor:
             if not self.enabled:
                 if pre:  # keep counting updates so that `step` stays the update index
                     self._open_row_if_needed(st)
+                    if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
+                        st.adam.verified = False
                 return None
             if pre:
                 self._pre(st)

@@ -438,3 +438,25 @@ def test_half_precision_gradient_norm_does_not_overflow(every):
         opt.step()
     expected = 3000.0 * math.sqrt(2000)  # 134,164: beyond float16
     assert mon.to_dataset().grad_norm.values == pytest.approx([expected] * 3, rel=1e-5)  # float32 sums
+
+
+def test_adam_step_counts_drifting_while_disabled():
+    """Step counts that drift apart while the Monitor is disabled are read again after."""
+    torch.manual_seed(7)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.5, 0.6), eps=0.05)
+    mon = Monitor(model, opt)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for step in range(6):
+        mon.enabled = step not in (2, 3)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if step in (2, 3):
+            for p in model[0].parameters():
+                p.grad = None
+        opt.step()
+    m_norm, v_mean, _ = _adam_expected(opt)
+    assert {float(opt.state[p]["step"]) for p in model.parameters()} == {4.0, 6.0}
+    ds = mon.to_dataset()
+    assert float(ds.adam_m_norm[-1]) == pytest.approx(m_norm, rel=1e-5)
+    assert float(ds.adam_v_mean[-1]) == pytest.approx(v_mean, rel=1e-5)
