@@ -121,43 +121,46 @@ def gradient_coherence(grads: Sequence[Sequence[torch.Tensor] | torch.Tensor]) -
 
 
 class _Table:
-    """Float64 array indexed by row that grows by doubling; NaN where nothing was written,
-    with a mask of the cells written. Columnar storage keeps a long run's telemetry small
-    (about 120 bytes per optimizer per row) and lets ``to_dataset`` derive channels with numpy."""
+    """Float64 array indexed by row that grows by doubling; NaN where nothing was written.
+    Columnar storage keeps a long run's telemetry small (120 bytes per optimizer per row) and
+    lets ``to_dataset`` derive channels with numpy. ``masked`` tables also keep a mask of the
+    cells written (logged scalars, where a logged NaN differs from nothing logged)."""
 
-    def __init__(self, tail: tuple[int, ...] = ()):
+    def __init__(self, tail: tuple[int, ...] = (), masked: bool = False):
         self.tail = tail
         self.a = np.full((0, *tail), np.nan)
-        self.m = np.zeros((0, *tail), dtype=bool)
+        self.m = np.zeros((0, *tail), dtype=bool) if masked else None
         self.n = 0  # rows in use: 1 + the largest row written
 
     def put(self, row: int, value: float) -> None:
-        """Write one value (tables without a tail)."""
+        """Write one value (masked tables without a tail)."""
         self._grow(row)
-        self.a[row], self.m[row] = value, True
+        self.a[row] = value
+        self.m[row] = True
 
-    def at(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """Views (values, written-mask) of one row (tables with a tail), allocating up to it."""
+    def row(self, row: int) -> np.ndarray:
+        """View of one row (tables with a tail), allocating up to it."""
         self._grow(row)
-        return self.a[row], self.m[row]
+        return self.a[row]
 
     def _grow(self, row: int) -> None:
         if row >= len(self.a):
-            cap = max(64, 2 * len(self.a), row + 1)
-            a = np.full((cap, *self.tail), np.nan)
-            m = np.zeros((cap, *self.tail), dtype=bool)
-            a[: len(self.a)], m[: len(self.m)] = self.a, self.m
-            self.a, self.m = a, m
-        self.n = max(self.n, row + 1)
+            self.a = self._padded(self.a, max(64, 2 * len(self.a), row + 1), np.nan)
+            if self.m is not None:
+                self.m = self._padded(self.m, len(self.a), False)
+        if row >= self.n:
+            self.n = row + 1
 
-    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``n`` rows (padded with NaN / False beyond what was written)."""
+    def _padded(self, x: np.ndarray, n: int, fill: Any) -> np.ndarray:
+        out = np.full((n, *self.tail), fill, dtype=x.dtype)
+        out[: len(x)] = x
+        return out
+
+    def rows(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The first ``n`` rows (padded with NaN / False beyond what was written), and the mask."""
         if n <= len(self.a):
-            return self.a[:n], self.m[:n]
-        a = np.full((n, *self.tail), np.nan)
-        m = np.zeros((n, *self.tail), dtype=bool)
-        a[: len(self.a)], m[: len(self.m)] = self.a, self.m
-        return a, m
+            return self.a[:n], None if self.m is None else self.m[:n]
+        return self._padded(self.a, n, np.nan), None if self.m is None else self._padded(self.m, n, False)
 
 
 class _OptState:
@@ -181,6 +184,7 @@ class _OptState:
         self.measuring = False
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
         self.order = 0  # how many optimizers stepped before this one in the current row
+        self.lr = self.lr_primary = _NAN  # read when this optimizer steps
         self.pre: dict[str, Any] = {}
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
@@ -303,7 +307,7 @@ class Monitor:
         for k, v in scalars.items():
             col = self._logged.get(k)
             if col is None:
-                col = self._logged[k] = _Table()
+                col = self._logged[k] = _Table(masked=True)
             col.put(s, _NAN if v is None else _as_float(v))
 
     def microbatch_coherence(self, grads: Sequence[Sequence[torch.Tensor] | torch.Tensor],
@@ -337,9 +341,9 @@ class Monitor:
             return {}
         out: dict[str, float] = {}
         if s < self._stats.n:
-            st_a, st_m = self._stats.rows(s + 1)
-            if st_m[s].any():
-                out = {k: float(v[0]) for k, v in self._derive(st_a[s:s + 1]).items()}
+            S = self._stats.a[s:s + 1]
+            if not np.isnan(S[0, :, _F_KIND]).all():  # some optimizer stepped in this row
+                out = {k: float(v[0]) for k, v in self._derive(S).items()}
         for k, col in self._logged.items():
             if s < col.n and col.m[s]:
                 out[k] = float(col.a[s])
@@ -374,9 +378,9 @@ class Monitor:
         import xarray as xr
 
         n = max([self._stats.n, *(c.n for c in self._logged.values())], default=0)
-        st_a, st_m = self._stats.rows(n)
+        st_a = self._stats.rows(n)[0]
         logged = {k: c.rows(n) for k, c in self._logged.items()}
-        present = st_m.any(axis=(1, 2))
+        present = ~np.isnan(st_a[..., _F_KIND]).all(axis=1)  # some optimizer stepped
         for _, m in logged.values():
             present |= m
         steps = np.flatnonzero(present).astype(np.int64)
@@ -465,8 +469,9 @@ class Monitor:
         params = st.stepped_params()
         st.params = params
         st.measuring = st.kept = False
-        st.pre = {"lr": _as_float(st.opt.param_groups[0]["lr"]),
-                  "lr_primary": _as_float(self._opts[0].opt.param_groups[0]["lr"])}
+        st.lr = _as_float(st.opt.param_groups[0]["lr"])
+        st.lr_primary = _as_float(self._opts[0].opt.param_groups[0]["lr"])
+        st.pre = {}
         if not params:
             return
         if st.adam is not None and st.adam.verified and tuple(map(id, params)) != st.adam.ids:
@@ -474,11 +479,9 @@ class Monitor:
         grads = [p.grad for p in params]
         measure = s % self.every == 0
         if not measure and not (self.every > 1 and (s + 1) % self.every == 0):
-            # float32 norms: a half-precision gradient's norm overflows float16 long before its entries do
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
-            st.pre["g2"] = torch.dot(norms, norms)
-            if self.per_layer:
-                st.pre["layer_g"] = norms
+            # float32 norms: a half-precision gradient's norm overflows float16 long before its
+            # entries do; summed in Python after one transfer (a few dozen numbers)
+            st.pre["norms"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             return
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
             st.prepare(params)
@@ -508,22 +511,21 @@ class Monitor:
     def _post(self, st: _OptState) -> None:
         s = self._step
         params, st.params = st.params, []
-        rows, written = self._stats.at(s)
-        rec = rows[st.index]
-        rec[_F_ORDER] = st.order
-        written[st.index] = True
-        rec[_F_LR], rec[_F_LRP] = st.pre["lr"], st.pre["lr_primary"]
+        rec = self._stats.row(s)[st.index]
+        rec[_F_ORDER], rec[_F_LR], rec[_F_LRP] = st.order, st.lr, st.lr_primary
         if not params:
             rec[_F_KIND] = _K_NOPARAMS
             return
         if not st.measuring:
-            layer_g = st.pre.get("layer_g")
-            if layer_g is not None:
-                vals = torch.cat([st.pre["g2"].reshape(1), layer_g]).tolist()
-                self._store_layers(s, params, vals[1:], None)
-                g2 = vals[0]
-            else:
+            norms = st.pre.get("norms")
+            if norms is not None:  # an unmeasured step
+                layer_g = norms.tolist()
+                g2 = math.fsum(x * x for x in layer_g)
+            else:  # a step whose gradient is kept for the next xgrad
                 g2 = float(st.pre["g2"].item())
+                layer_g = st.pre["layer_g"].tolist() if self.per_layer else None
+            if self.per_layer:
+                self._store_layers(s, params, layer_g, None)
             rec[_F_KIND], rec[_F_G2] = _K_GRAD, g2
             if st.kept:
                 st.prev_g2 = g2
@@ -579,8 +581,8 @@ class Monitor:
         return out
 
     def _store_layers(self, s: int, params, g_l, ratio) -> None:
-        g_arr = self._layers["layer_grad_norm"].at(s)[0]
-        r_arr = self._layers["layer_update_ratio"].at(s)[0]
+        g_arr = self._layers["layer_grad_norm"].row(s)
+        r_arr = self._layers["layer_update_ratio"].row(s)
         for j, p in enumerate(params):
             i = self._layer_index.get(id(p))
             if i is None:
