@@ -9,7 +9,10 @@ and are timed in interleaved repeats whose order rotates, so that load from othe
 hits them alike; the table shows the median time per training step and the median, with
 quartiles, of the per-repeat ratios to "off". ``--paper-gpt`` adds the paper-profile model
 (6x384, 32x256 tokens per step; ``--paper-steps`` / ``--paper-repeats``, no lambda_max row).
-Then one ``lambda_max`` measurement (the default Lanczos, ``tol=0`` so it spends its whole
+The time spent inside the Monitor's hooks is shown too: a low-noise lower bound of its cost
+(it misses the cache misses it causes the rest of the step, and the warm caches it leaves
+the optimizer). A storage table gives the Monitor's memory per row (tracemalloc) and the
+time of ``to_dataset``, for one and three optimizers. Then one ``lambda_max`` measurement (the default Lanczos, ``tol=0`` so it spends its whole
 budget of 20 Hessian-vector products, on one batch) is timed and expressed in
 training-step equivalents.
 
