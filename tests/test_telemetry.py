@@ -460,3 +460,24 @@ def test_adam_step_counts_drifting_while_disabled():
     ds = mon.to_dataset()
     assert float(ds.adam_m_norm[-1]) == pytest.approx(m_norm, rel=1e-5)
     assert float(ds.adam_v_mean[-1]) == pytest.approx(v_mean, rel=1e-5)
+
+
+def test_last_update_is_the_applied_update():
+    """last_update returns w_after - w_before shaped like the parameters on measured rows, None otherwise."""
+    torch.manual_seed(8)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mon = Monitor(model, opt, every=2)
+    x = torch.randn(5, 3)
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+        u = mon.last_update(list(model.parameters()))
+        if step % 2:
+            assert u is None
+        else:
+            for ui, p, w in zip(u, model.parameters(), before, strict=True):
+                assert ui.shape == p.shape
+                torch.testing.assert_close(ui, p.detach() - w)
