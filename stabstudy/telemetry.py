@@ -403,9 +403,7 @@ class Monitor:
     def _derive(self, S: np.ndarray) -> dict[str, np.ndarray]:
         """Channels of rows ``S`` (rows x optimizers x fields): global ones, with the
         primary's lr read by the first optimizer that stepped in the row, and per optimizer."""
-        out = _derive(S)
-        first = S[..., _F_ORDER] == 0
-        out["lr"] = np.where(first.any(1), np.nansum(np.where(first, S[..., _F_LRP], 0.0), 1), np.nan)
+        out = _derive(S, lr_field=_F_LRP)
         if self._multi:
             for i, st in enumerate(self._opts):
                 for k, v in _derive(S[:, i:i + 1]).items():
@@ -725,9 +723,10 @@ def _per_coord(values: list[float], sizes: list[int], device: torch.device) -> t
                                    torch.tensor(sizes, device=device))
 
 
-def _derive(S: np.ndarray) -> dict[str, np.ndarray]:
+def _derive(S: np.ndarray, lr_field: int = _F_LR) -> dict[str, np.ndarray]:
     """Channels from the statistics ``S`` (rows x optimizers x fields) summed over the
-    optimizers that stepped in each row; ``lr`` is the first optimizer's own lr."""
+    optimizers that stepped in each row; ``lr`` is field ``lr_field`` (own lr, or the primary's
+    lr as read at that step) of the first optimizer that stepped in the row."""
     kind = S[..., _F_KIND]
     with np.errstate(invalid="ignore", divide="ignore"):
         def tot(field: int, among: np.ndarray) -> np.ndarray:
@@ -758,5 +757,5 @@ def _derive(S: np.ndarray) -> dict[str, np.ndarray]:
         stepped = ~np.isnan(kind)
         order = np.where(stepped, S[..., _F_ORDER], np.inf)
         first = stepped & (order == order.min(1, keepdims=True))
-        out["lr"] = np.where(any_(stepped), tot(_F_LR, first), nan)
+        out["lr"] = np.where(any_(stepped), tot(lr_field, first), nan)
     return out
