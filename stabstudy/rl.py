@@ -95,7 +95,9 @@ from stabstudy.spec import Perturbation, RunSpec
 #: recomputes stored runs of other versions instead of reusing them.
 #: 2: the divergence check reads the Monitor's gradient norm (version 1 read a logged value
 #: that was never logged, so a non-finite or exploding gradient norm went unnoticed there).
-RESULTS_VERSION = 2
+#: 3: the finite-parameter check sums norms in float64 (in float32 finite weights above ~1e19
+#: overflowed the norm and were flagged as non-finite).
+RESULTS_VERSION = 3
 
 ALGOS = ("ppo", "sac", "td3", "a2c", "ddpg")
 ON_POLICY = ("ppo", "a2c")
@@ -274,13 +276,9 @@ def optimizers_of(model) -> dict[str, Any]:
 
 
 def _finite_params(module) -> bool:
-    import torch
+    from stabstudy.precision import all_finite
 
-    params = [p.detach() for p in module.parameters()]
-    if not params:
-        return True
-    total = torch.stack(torch._foreach_norm(params)).sum()
-    return bool(torch.isfinite(total))
+    return all_finite(module.parameters())
 
 
 def _numerical_blowup(e: Exception) -> bool:

@@ -363,3 +363,14 @@ def test_precision_claims_table_verdicts_follow_the_data():
     t = t.set_index("claim")["supported?"]
     assert t["GradScaler skips every step with inf/NaN gradients and halves the scale"] == "no"
     assert t["the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow"] == "no"
+
+
+def test_all_finite_exact_for_huge_finite_values():
+    """all_finite is True for finite values whose float32 norm would overflow, False for inf / NaN."""
+    big = torch.full((4,), 3e38)  # finite float32; the float32 norm of this overflows
+    assert P.all_finite([big, torch.zeros(2, dtype=torch.float16)])
+    assert P.all_finite([])
+    for bad in (float("inf"), float("nan")):
+        t = torch.zeros(3)
+        t[1] = bad
+        assert not P.all_finite([big, t])
