@@ -39,12 +39,13 @@ import pandas as pd
 import torch
 import xarray as xr
 
-from stabstudy import perturb
+from stabstudy import curvature, perturb, precision
 from stabstudy.corpus import get_batch, load_corpus, outlier_batch
 from stabstudy.gpt import GPT, GPTConfig, resolve_device
 from stabstudy.perturb import Schedule
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.telemetry import Monitor
 
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
@@ -125,51 +126,15 @@ def make_optimizer(model: torch.nn.Module, hp: dict[str, Any]) -> torch.optim.Ad
                              eps=float(hp["eps"]), foreach=False)
 
 
-def _precision_module():
-    """:mod:`stabstudy.precision` when installed, else None (precision channels stay NaN)."""
-    try:
-        from stabstudy import precision
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return None
-    return precision
-
-
-def _monitor_class():
-    """:class:`stabstudy.telemetry.Monitor` when available, else None (shared channels stay NaN)."""
-    try:
-        from stabstudy.telemetry import Monitor
-    except ImportError:
-        return None
-    return Monitor
-
-
-def _curvature_module():
-    """:mod:`stabstudy.curvature` when available, else None (curvature channels stay NaN)."""
-    try:
-        from stabstudy import curvature
-    except ImportError:  # pragma: no cover - the module ships with the package
-        return None
-    return curvature
-
-
-def _autocast(device: torch.device, name: str, precision):
-    if precision is not None:
-        return precision.autocast(device.type, name)
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name == "float32":
-        return torch.autocast(device.type, enabled=False)
-    return torch.autocast(device.type, dtype=dtypes[name])
-
-
 @torch.no_grad()
 def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-             autocast_name: str, precision=None) -> float:
+             autocast_name: str) -> float:
     """Mean cross-entropy (nats/token) over fixed validation ``batches``, in eval mode."""
     was = model.training
     model.eval()
     total = 0.0
     for x, y in batches:
-        with _autocast(device, autocast_name, precision):
+        with precision.autocast(device.type, autocast_name):
             total += float(model(x.to(device), y.to(device)).ce)
     model.train(was)
     return total / len(batches)
@@ -181,7 +146,6 @@ def run(spec: RunSpec) -> xr.Dataset:
     steps, seed = spec.steps, spec.seed
     seed_everything(seed)
     device = resolve_device(str(hp["device"]))
-    precision = _precision_module()
     sched = Schedule(spec.perturbations)
     kinds = {p.kind for p in spec.perturbations}
 
@@ -209,17 +173,11 @@ def run(spec: RunSpec) -> xr.Dataset:
     beta1, beta2 = float(hp["beta1"]), float(hp["beta2"])
     precision_mode = (hp["autocast_dtype"] != "float32" or param_dtype != torch.float32
                       or bool(hp["grad_scaler"]) or "precision_switch" in kinds)
-    if precision_mode and precision is None:
-        raise RuntimeError("precision options need stabstudy.precision")  # pragma: no cover
-    scaler = (precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
-                                          growth_interval=int(hp["scaler_growth_interval"]))
-              if precision is not None else torch.amp.GradScaler(device.type, enabled=False))
-    curvature = _curvature_module() if spec.curvature_every else None
-
-    Monitor = _monitor_class()
-    mon = Monitor(model, opt, every=spec.log_every) if Monitor is not None else None
+    scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
+                                        growth_interval=int(hp["scaler_growth_interval"]))
+    mon = Monitor(model, opt, every=spec.log_every)
     probe = None
-    if curvature is not None:  # sharpness on a fixed probe batch, eval mode (no dropout), explicit attention
+    if spec.curvature_every:  # sharpness on a fixed probe batch, eval mode (no dropout), explicit attention
         px, py = (t.to(device) for t in get_batch(corpus.train, B, T, torch.Generator().manual_seed(seed + 3_000_017)))
 
         def probe_loss() -> torch.Tensor:
@@ -261,7 +219,7 @@ def run(spec: RunSpec) -> xr.Dataset:
                 perturb.reinit_layer(model, str(p.p.get("layer", "blocks.0.attn")), p.dose, pert_gen)
             # -- forward / backward ----------------------------------------------------------
             diag_now = step % diag_every == 0
-            with _autocast(device, ac_name, precision):
+            with precision.autocast(device.type, ac_name):
                 out = model(x, y, diagnostics=diag_now)
             loss = out.loss
             loss_val = float(loss.detach())
@@ -301,33 +259,32 @@ def run(spec: RunSpec) -> xr.Dataset:
                         int(hp["n_embd"]) // int(hp["n_head"]))
             else:
                 opt.step()
-            if mon is not None and mon.step >= 0:
+            if mon.step >= 0:
                 mon_row_step.setdefault(mon.step, step)
             if precision_mode or step % spec.log_every == 0:
-                if not all(bool(torch.isfinite(p).all()) for p in params):
+                if not precision.all_finite(params):
                     status = "diverged"
                     break
             # -- evaluation and curvature --------------------------------------------------
             if (step + 1) % eval_every == 0 or step == steps - 1:
-                vl = evaluate(model, val_batches, device, ac_name, precision)
+                vl = evaluate(model, val_batches, device, ac_name)
                 rec["val_loss"][step], rec["perf"][step] = vl, -vl
             if probe is not None and step % spec.curvature_every == 0:
-                update = mon.last_update(params) if mon is not None and mon_row_step.get(mon.step) == step else None
+                update = mon.last_update(params) if mon_row_step.get(mon.step) == step else None
                 was = model.training
                 model.eval()
-                with _autocast(device, ac_name, precision):
+                with precision.autocast(device.type, ac_name):
                     vals = probe.measure(update)
                 model.train(was)
                 for k, v in vals.items():
                     rec[k][step] = v
     finally:
-        if mon is not None:
-            mon_ds = mon.to_dataset()
-            mon.close()
+        mon_ds = mon.to_dataset()
+        mon.close()
 
     ds = xr.Dataset({k: ("step", v[:done]) for k, v in rec.items()},
                     coords={"step": np.arange(done), "tokens": ("step", (np.arange(done) + 1) * B * T)})
-    if mon is not None and "step" in mon_ds.dims and mon_ds.sizes["step"]:
+    if "step" in mon_ds.dims and mon_ds.sizes["step"]:
         rows = [r for r in mon_ds.step.values.tolist() if r in mon_row_step]
         mon_ds = mon_ds.sel(step=rows).assign_coords(step=[mon_row_step[r] for r in rows])
         mon_ds = mon_ds.reindex(step=ds.step)
