@@ -154,10 +154,8 @@ def _route_mujoco_warnings() -> None:
     instead of printing them on every model compile (gymnasium's HalfCheetah-v5 XML triggers a
     deprecation warning each time) and appending them to MUJOCO_LOG.TXT. A handler the user
     installed is left alone."""
-    try:
-        import mujoco
-    except ImportError:  # not a MuJoCo task
-        return
+    import mujoco  # a dependency (gymnasium[mujoco]); imported here to keep `import stabstudy.rl` light
+
     if mujoco.get_mju_user_warning() is None:
         mujoco.set_mju_user_warning(lambda msg: warnings.warn(f"MuJoCo: {msg}", RuntimeWarning, stacklevel=2))
 
