@@ -3,7 +3,9 @@ then our lambda_max against PyHessian's power iteration.
 
 Two training loops -- a small GPT (``stabstudy.gpt.GPT``, AdamW, as in ``stabstudy.lm``)
 and the toy tanh MLP (``stabstudy.toy.MLP``, Adam, MSE) -- each run with the Monitor
-off, on with ``every=1`` and on with ``every=10``. The variants share one model and
+off, on with ``every=1`` and on with ``every=10``, with its default backend (the fused C
+kernels of ``stabstudy.kernels`` where they compile; the ``fused`` column says whether they
+ran) and with ``backend="torch"`` (torch ops only, as on a GPU or without a C compiler). The variants share one model and
 optimizer per workload (separate instances differ by a few percent in speed by themselves)
 and are timed in interleaved repeats whose order rotates, so that load from other processes
 hits them alike; the table shows the median time per training step and the median, with
@@ -47,11 +49,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stabstudy import curvature, lm, toy
+from stabstudy import curvature, kernels, lm, toy
 from stabstudy.gpt import GPT
 from stabstudy.telemetry import Monitor
 
-VARIANTS = (("off", 0), ("every=1", 1), ("every=10", 10))
+# (label, every, backend): the default backend ("auto": the fused C kernels on these float32 CPU
+# models when they compile) and, for comparison, the Monitor's torch ops alone
+VARIANTS = (("off", 0, None), ("every=1", 1, "auto"), ("every=10", 10, "auto"),
+            ("every=1 torch ops", 1, "torch"), ("every=10 torch ops", 10, "torch"))
 
 
 def gpt_workload(args):
@@ -160,12 +165,13 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
     make, loss_of, batches, _ = workload(args)
     model, opt = make()
     time_steps(model, opt, None, loss_of, batches[:3])  # warm-up: Adam state, allocator
-    times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
-    hooks: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    hooks: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    fused: dict[str, int] = {}
     for rep in range(args.repeats):
         k = rep % len(VARIANTS)
-        for label, every in VARIANTS[k:] + VARIANTS[:k]:
-            mon = Monitor(model, opt, every=every) if every else None
+        for label, every, backend in VARIANTS[k:] + VARIANTS[:k]:
+            mon = Monitor(model, opt, every=every, backend=backend) if every else None
             acc = [0.0]
             if mon is not None:
                 time_steps(model, opt, mon, loss_of, batches[:1])
@@ -173,18 +179,20 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
             times[label].append(time_steps(model, opt, mon, loss_of, batches))
             hooks[label].append(acc[0] / len(batches))
             if mon is not None:
+                fused[label] = mon.fused_steps
                 mon.close()
     med = {k: statistics.median(v) for k, v in times.items()}
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     rows = []
-    for label, _ in VARIANTS:
+    for label, _, _ in VARIANTS:
         paired = [t / t0 for t, t0 in zip(times[label], times["off"], strict=True)]
         q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
         hook_ms = statistics.median(hooks[label]) * 1e3
         rows.append({"workload": name, "variant": label, "params": n_params, "ms_per_step": med[label] * 1e3,
                      "ratio": q2, "ratio_iqr": (q1, q3), "hook_ms": hook_ms,
-                     "hook_frac": hook_ms / (med["off"] * 1e3)})
+                     "hook_frac": hook_ms / (med["off"] * 1e3),
+                     "fused": "-" if label == "off" else ("yes" if fused[label] else "no")})
     if with_lambda:  # one lambda_max measurement (fixed 20 HVPs: tol=0) on the first batch
         x, y = batches[0]
         lam_t = statistics.median(
@@ -363,14 +371,16 @@ def print_overhead(rows, args) -> None:
           f"{args.steps} steps on one model per workload; ms/step: median; ratio: median of the per-repeat ratios "
           f"to off [quartiles] (timings include other processes' load)")
     print("in hooks: median time inside the Monitor's hooks per step, and as a fraction of the 'off' step")
+    k = kernels.load()
+    print(f"fused kernels: {k.path if k is not None else 'unavailable (' + str(kernels.unavailable_reason()) + ')'}")
     print(f"{'workload':<11}{'variant':<21}{'params':>9}{'ms/step':>10}{'ratio to off':>14}{'quartiles':>18}"
-          f"{'in hooks ms':>13}{'fraction':>10}")
+          f"{'in hooks ms':>13}{'fraction':>10}{'fused':>7}")
     for r in rows:
         if r["variant"].startswith("lambda"):
             tail = "x (step equivalents)"
         else:
             lo, hi = r["ratio_iqr"]
-            tail = f"x  [{lo:.3f}, {hi:.3f}]{r['hook_ms']:>13.3f}{100 * r['hook_frac']:>9.1f}%"
+            tail = f"x  [{lo:.3f}, {hi:.3f}]{r['hook_ms']:>13.3f}{100 * r['hook_frac']:>9.1f}%{r['fused']:>7}"
         print(f"{r['workload']:<11}{r['variant']:<21}{r['params']:>9}{r['ms_per_step']:>10.1f}{r['ratio']:>13.3f}"
               f"{tail}")
 

@@ -34,17 +34,23 @@ perf, ...) to the step just taken (or pass ``step=mon.step + 1`` to log ahead).
 Cost
 ----
 With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step; the
-other channels on steps divisible by N (NaN in between). A measured step copies
-the gradient and the parameters into a flat float32 buffer (``torch._foreach_copy_``),
-forms the update in place (``torch._foreach_sub_``), copies Adam's m and v into
-one scratch row (``torch.cat`` of cached views), takes separate dot products
-(memory-bound on CPU, cheaper there than a Gram matmul of the rows) into a small
-result tensor and reads it back with one host sync. Adam's state tensors and
-step counts are looked up once and reused while the optimizer's state and the
-set of stepped parameters stay the same. Memory: four flat float32 rows the size
-of the stepped parameters per optimizer (gradient, previous gradient, parameters
-before the update then the negated update, scratch). ``benchmarks/telemetry_overhead.py``
-measures the cost per step.
+other channels on steps divisible by N (NaN in between). A measured step needs the
+gradient and the parameters before and after the update, Adam's m and v, and the
+previous step's gradient. On contiguous float32 CPU tensors (``backend="auto"``, the
+default) it takes three passes of the fused C kernels in :mod:`stabstudy.kernels`: one
+over gradient and parameters in the pre-hook (copying both into a flat float32 buffer,
+summing g.g, g.g_prev, w.w), one forming the update in place after the step (u.u, u.g),
+one over Adam's state (m.m, sum v, #(v < thr)), each element read once. Elsewhere (GPU,
+half precision, no C compiler, ``backend="torch"``) the same statistics come from torch
+ops: foreach copies of gradient and parameters into the buffer, the update formed in place
+by ``torch._foreach_sub_``, Adam's m and v copied into a scratch row by ``torch.cat`` of
+cached views, separate dot products (memory-bound on CPU, cheaper there than a Gram
+matmul of the rows) into a small result tensor read back with one host sync. Adam's state
+tensors and step counts are looked up once and reused while the optimizer's state and the
+set of stepped parameters stay the same. Memory: four flat float32 rows the size of the
+stepped parameters per optimizer (gradient, previous gradient, parameters before the
+update then the negated update, scratch). ``benchmarks/telemetry_overhead.py`` measures
+the cost per step of both backends.
 
 References: Molybog et al. 2023 (update/gradient cosine before Adam
 instability); Kingma & Ba 2015 (Adam bias correction).
@@ -58,6 +64,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from stabstudy import kernels
 
 #: Long names of the channels the Monitor records (attrs of ``to_dataset``).
 LONG_NAMES: dict[str, str] = {
@@ -79,6 +87,10 @@ LONG_NAMES: dict[str, str] = {
     "layer_grad_norm": "L2 norm of the gradient per parameter tensor",
     "layer_update_ratio": "update norm / parameter norm per parameter tensor",
 }
+
+#: Values of ``Monitor(backend=...)``: "fused" (one-pass C kernels, float32 CPU tensors), "torch"
+#: (torch ops, any device and dtype), "auto" (fused where the tensors allow, else torch).
+BACKENDS = ("auto", "fused", "torch")
 
 #: Channels computed by the Monitor itself, in dataset order.
 OPT_CHANNELS = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
@@ -189,6 +201,13 @@ class _OptState:
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
         self.adam: _AdamCache | None = None
+        # fused path (stabstudy.kernels): data pointers and outputs as numpy arrays whose
+        # addresses are taken once; per tensor t, out_g[t] = (g.g, g.g_prev, w.w), out_u[t] = (u.u, -u.g)
+        self.fused = False  # this step's statistics come from the fused kernels
+        self.lens = self.gptr = self.wptr = self.out_g = self.out_u = self.out_a = np.zeros(0)
+        self.addr: dict[str, int] = {}
+        self.row_addr: list[int] = []
+        self.w_list: list[int] = []  # the parameters' data pointers the pre-hook checked
 
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
@@ -205,9 +224,36 @@ class _OptState:
                      for r in range(4)]
         self.res = torch.zeros(_NRES, dtype=torch.float32, device=dev)
         self.out = list(self.res.unbind())
+        P = len(params)
+        self.lens = np.array(self.sizes, dtype=np.int64)
+        self.gptr, self.wptr = np.zeros(P, dtype=np.uintp), np.zeros(P, dtype=np.uintp)
+        self.out_g, self.out_u, self.out_a = np.zeros((P, 3)), np.zeros((P, 2)), np.zeros(3)
+        self.addr = {k: getattr(self, k).ctypes.data for k in ("lens", "gptr", "wptr", "out_g", "out_u", "out_a")}
+        self.row_addr = [self.buf[r].data_ptr() for r in range(4)]
         self.key = key
         self.prev_step = -10
         self.adam = None
+
+
+_F32 = torch.float32
+
+
+def _point(st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    """Load the data pointers of ``params`` and ``grads`` into ``st``'s pointer arrays; False
+    when the fused kernels cannot read them: not contiguous float32 CPU tensors of the sizes the
+    buffers were built for (``p.data`` may have been replaced since). A gradient has its
+    parameter's dtype, device and shape (torch enforces it), not necessarily its layout."""
+    w = st.w_list = []
+    for p, n in zip(params, st.sizes, strict=True):
+        if not (p.is_cpu and p.dtype is _F32 and p.is_contiguous() and p.numel() == n):
+            return False
+        w.append(p.data_ptr())
+    for g in grads:
+        if not g.is_contiguous():
+            return False
+    st.wptr[:] = w
+    st.gptr[:] = [g.data_ptr() for g in grads]
+    return True
 
 
 def _flat_views(ts: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -229,6 +275,10 @@ class Monitor:
             ``grad_norm`` and ``lr`` are recorded on every step.
         per_layer: also record ``layer_grad_norm`` and ``layer_update_ratio``
             on a ``layer`` dimension (one entry per parameter tensor).
+        backend: one of :data:`BACKENDS`. "auto" computes a step's statistics with the fused
+            C kernels of :mod:`stabstudy.kernels` when its parameters, gradients and Adam
+            state are contiguous float32 CPU tensors and the kernels compiled, else with
+            torch ops; "fused" raises instead of falling back; "torch" never uses them.
 
     Adam channels are read from ``optimizer.state[p]["exp_avg"|"exp_avg_sq"|"step"]``
     (Adam, AdamW, and any optimizer storing the same keys) and are bias-corrected:
@@ -244,9 +294,18 @@ class Monitor:
         ds = mon.to_dataset(); mon.close()
     """
 
-    def __init__(self, model: Any, optimizer: Any, *, every: int = 1, per_layer: bool = False):
+    def __init__(self, model: Any, optimizer: Any, *, every: int = 1, per_layer: bool = False,
+                 backend: str = "auto"):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"every must be an integer >= 1, got {every!r}")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        self.backend = backend
+        self._kernels = kernels.load() if backend != "torch" else None
+        if backend == "fused" and self._kernels is None:
+            raise RuntimeError(f"backend='fused' but the fused kernels are unavailable: {kernels.unavailable_reason()}")
+        #: optimizer steps whose statistics the fused kernels computed (the rest: torch ops)
+        self.fused_steps = 0
         if isinstance(optimizer, Mapping):
             named = list(optimizer.items())
         elif isinstance(optimizer, torch.optim.Optimizer):
@@ -325,7 +384,7 @@ class Monitor:
         self._handles.clear()
         for st in self._opts:
             st.buf, st.res, st.rows, st.out, st.adam = None, None, [], [], None
-            st.key = ()
+            st.key, st.row_addr, st.addr = (), [], {}
 
     def __enter__(self) -> Monitor:
         return self
@@ -466,7 +525,7 @@ class Monitor:
         s = self._step
         params = st.stepped_params()
         st.params = params
-        st.measuring = st.kept = False
+        st.measuring = st.kept = st.fused = False
         st.lr = _as_float(st.opt.param_groups[0]["lr"])
         st.lr_primary = _as_float(self._opts[0].opt.param_groups[0]["lr"])
         st.pre = {}
@@ -476,7 +535,46 @@ class Monitor:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
         measure = s % self.every == 0
-        if not measure and not (self.every > 1 and (s + 1) % self.every == 0):
+        keep = not measure and self.every > 1 and (s + 1) % self.every == 0  # for the next step's xgrad
+        if self._fused_ok(st, params, grads):
+            st.fused = True
+            self.fused_steps += 1
+            self._pre_fused(st, s, measure, keep)
+        else:
+            self._pre_torch(st, s, params, grads, measure, keep)
+
+    def _fused_ok(self, st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+        """Whether this step runs on the fused kernels (then their pointers are loaded into ``st``)."""
+        if self._kernels is None:
+            return False
+        st.prepare(params)
+        if _point(st, params, grads):
+            return True
+        if self.backend == "fused":
+            raise RuntimeError(f"Monitor(backend='fused'): optimizer {st.name!r} steps parameters or gradients "
+                               "that are not contiguous float32 CPU tensors; use backend='auto' or 'torch'")
+        return False
+
+    def _pre_fused(self, st: _OptState, s: int, measure: bool, keep: bool) -> None:
+        K, a, n = self._kernels, st.addr, len(st.sizes)
+        if measure:
+            gprev = st.row_addr[1 - st.slot] if st.prev_step == s - 1 else None
+            K.grad(n, a["gptr"], a["lens"], st.row_addr[st.slot], gprev, a["wptr"], st.row_addr[2], a["out_g"])
+            st.measuring = True
+            return
+        K.grad(n, a["gptr"], a["lens"], st.row_addr[st.slot] if keep else None, None, None, None, a["out_g"])
+        g2s = st.out_g[:, 0]
+        st.pre["g2"] = float(g2s.sum())
+        if self.per_layer:
+            st.pre["layer_g"] = np.sqrt(g2s).tolist()
+        if keep:
+            st.kept = True
+            st.prev_step = s
+            st.slot = 1 - st.slot
+
+    def _pre_torch(self, st: _OptState, s: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+                   measure: bool, keep: bool) -> None:
+        if not measure and not keep:
             # float32 norms: a half-precision gradient's norm overflows float16 long before its
             # entries do; summed in Python after one transfer (a few dozen numbers)
             st.pre["norms"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
@@ -499,7 +597,7 @@ class Monitor:
                 st.measuring = True
                 return
             g = st.buf[st.slot]
-            st.pre["g2"] = g.dot(g)  # keep this gradient for the next step's xgrad
+            st.pre["g2"] = g.dot(g)
             st.kept = True
             st.prev_step = s
             st.slot = 1 - st.slot
@@ -516,51 +614,87 @@ class Monitor:
             return
         if not st.measuring:
             norms = st.pre.get("norms")
-            if norms is not None:  # an unmeasured step
+            if norms is not None:  # an unmeasured step (torch path)
                 layer_g = norms.tolist()
                 g2 = math.fsum(x * x for x in layer_g)
-            else:  # a step whose gradient is kept for the next xgrad
-                g2 = float(st.pre["g2"].item())
-                layer_g = st.pre["layer_g"].tolist() if self.per_layer else None
+            else:  # an unmeasured step on the fused path, or one whose gradient is kept for the next xgrad
+                g2 = _as_float(st.pre["g2"])
+                layer_g = st.pre.get("layer_g")
+                if isinstance(layer_g, torch.Tensor):
+                    layer_g = layer_g.tolist()
             if self.per_layer:
                 self._store_layers(s, params, layer_g, None)
             rec[_F_KIND], rec[_F_G2] = _K_GRAD, g2
             if st.kept:
                 st.prev_g2 = g2
             return
+        measured = self._measured_fused if st.fused else self._measured_torch
+        g2, gpg, w2, u2, nug, adam, layer = measured(st, params)
+        rec[_F_KIND] = _K_FULL
+        rec[_F_G2], rec[_F_GP2], rec[_F_GPG], rec[_F_W2] = g2, st.prev_g2, gpg, w2
+        rec[_F_U2], rec[_F_UG], rec[_F_PREV] = u2, -nug, 1.0 if st.prev_step == s - 1 else 0.0
+        if layer is not None:
+            g_l, u_l, w_l = layer
+            ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
+            self._store_layers(s, params, g_l, ratio)
+        if adam is not None:
+            bc1, bc2, m2, vsum, nbelow = adam
+            rec[_F_KIND] = _K_ADAM
+            rec[_F_M2], rec[_F_VSUM], rec[_F_NBELOW] = m2 / bc1**2, vsum / bc2, nbelow
+            rec[_F_N] = float(st.buf.shape[1])
+        st.prev_step = s
+        st.prev_g2 = g2
+        st.last_measured = s
+        st.params_at_measure = params
+        st.slot = 1 - st.slot
+
+    def _measured_torch(self, st: _OptState, params: list[torch.Tensor]) -> tuple:
+        """(g2, g.g_prev, w2, u2, -u.g, (bc1, bc2, m2, vsum, nbelow) | None, per-tensor norms | None)."""
         buf, res, out = st.buf, st.res, st.out
         neg_u = buf[2]
-        has_prev = st.prev_step == s - 1
         with torch.no_grad():
             torch._foreach_sub_(st.rows[2], params)  # row 2: w_before - w_after = -u
             # separate dots: on CPU one memory-bound dot per pair is cheaper than a Gram matmul
             torch.dot(neg_u, neg_u, out=out[_U2])
             torch.dot(neg_u, buf[st.slot], out=out[_NUG])
-            adam = _adam_stats(st, params)
+            adam = _adam_stats(st, params, None)
             if self.per_layer:
                 layer = [torch.stack(torch._foreach_norm(st.rows[st.slot])),
                          torch.stack(torch._foreach_norm(st.rows[2])), torch.stack(st.pre["layer_w"])]
                 vals = torch.cat([res, *layer]).tolist()
             else:
                 vals = res.tolist()  # the one host sync of this step
-        rec[_F_KIND] = _K_FULL
-        rec[_F_G2], rec[_F_GP2], rec[_F_GPG], rec[_F_W2] = vals[_G2], st.prev_g2, vals[_GPG], vals[_W2]
-        rec[_F_U2], rec[_F_UG], rec[_F_PREV] = vals[_U2], -vals[_NUG], 1.0 if has_prev else 0.0
+        norms = None
         if self.per_layer:
             P = len(params)
-            g_l, u_l, w_l = vals[_NRES:_NRES + P], vals[_NRES + P:_NRES + 2 * P], vals[_NRES + 2 * P:_NRES + 3 * P]
-            ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
-            self._store_layers(s, params, g_l, ratio)
+            norms = vals[_NRES:_NRES + P], vals[_NRES + P:_NRES + 2 * P], vals[_NRES + 2 * P:_NRES + 3 * P]
         if adam is not None:
-            bc1, bc2 = adam
-            rec[_F_KIND] = _K_ADAM
-            rec[_F_M2], rec[_F_VSUM], rec[_F_NBELOW] = vals[_M2] / bc1**2, vals[_VSUM] / bc2, vals[_NBELOW]
-            rec[_F_N] = float(buf.shape[1])
-        st.prev_step = s
-        st.prev_g2 = vals[_G2]
-        st.last_measured = s
-        st.params_at_measure = params
-        st.slot = 1 - st.slot
+            adam = (adam[0], adam[1], vals[_M2], vals[_VSUM], vals[_NBELOW])
+        return vals[_G2], vals[_GPG], vals[_W2], vals[_U2], vals[_NUG], adam, norms
+
+    def _measured_fused(self, st: _OptState, params: list[torch.Tensor]) -> tuple:
+        """As :meth:`_measured_torch`, from the fused kernels (the gradient pass ran in the pre-hook)."""
+        K, a, n = self._kernels, st.addr, len(st.sizes)
+        if [p.data_ptr() for p in params] == st.w_list:  # the step updated the weights in place
+            K.update(n, a["wptr"], a["lens"], st.row_addr[2], st.row_addr[st.slot], a["out_u"])
+        else:
+            with torch.no_grad():
+                torch._foreach_sub_(st.rows[2], params)
+            K.update(n, None, a["lens"], st.row_addr[2], st.row_addr[st.slot], a["out_u"])
+        adam = _adam_stats(st, params, K)
+        if adam is not None:
+            bc1, bc2, mvb = adam
+            if mvb is None:  # computed by torch ops (per-coordinate bias corrections, or state not fusable)
+                vals = st.res.tolist()
+                mvb = [vals[_M2], vals[_VSUM], vals[_NBELOW]]
+            adam = (bc1, bc2, *mvb)
+        g2, gpg, w2 = st.out_g.sum(0).tolist()
+        u2, nug = st.out_u.sum(0).tolist()
+        norms = None
+        if self.per_layer:
+            norms = (np.sqrt(st.out_g[:, 0]).tolist(), np.sqrt(st.out_u[:, 0]).tolist(),
+                     np.sqrt(st.out_g[:, 2]).tolist())
+        return g2, gpg, w2, u2, nug, adam, norms
 
     def last_update(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The update applied to ``params`` in the current row (copies shaped like
@@ -635,6 +769,14 @@ class _AdamCache:
         self.ids = tuple(map(id, params))
         self.first_m = self.ms[0]
         self.m_flat, self.v_flat = _flat_views(self.ms), _flat_views(self.vs)
+        # for the fused kernels: pointer arrays (kept alive here) and their addresses, when every
+        # m and v is a contiguous float32 CPU tensor of its parameter's size (the kernel reads that many)
+        self.fused_addr: tuple[int, int] | None = None
+        if all(t.is_cpu and t.dtype is _F32 and t.is_contiguous() and t.numel() == p.numel()
+               for ts in (self.ms, self.vs) for t, p in zip(ts, params, strict=True)):
+            self.mptr = np.array([m.data_ptr() for m in self.ms], dtype=np.uintp)
+            self.vptr = np.array([v.data_ptr() for v in self.vs], dtype=np.uintp)
+            self.fused_addr = (self.mptr.ctypes.data, self.vptr.ctypes.data)
         self.ok = True
 
     def flat_m(self) -> list[torch.Tensor]:
@@ -680,12 +822,15 @@ class _AdamCache:
         return ts[0] if self.verified else None
 
 
-def _adam_stats(st: _OptState, params: list[torch.Tensor]) -> tuple[float, float] | None:
-    """Write ||m||^2, sum(v) and #(v < eps^2 (1 - beta2^t)) of the stepped parameters into
-    ``st.res`` and return the bias corrections (bc1, bc2) to apply, or None (no Adam state).
+def _adam_stats(st: _OptState, params: list[torch.Tensor],
+                K: kernels.Kernels | None) -> tuple[float, float, list[float] | None] | None:
+    """||m||^2, sum(v) and #(v < eps^2 (1 - beta2^t)) of the stepped parameters, and the bias
+    corrections (bc1, bc2) to apply to them; None when there is no Adam state.
 
+    Returns ``(bc1, bc2, [m2, vsum, nbelow])`` from the fused kernels ``K`` where they can read
+    the state, else ``(bc1, bc2, None)`` with the sums written into ``st.res`` by torch ops.
     sqrt(v_hat) < eps  <=>  v < eps^2 * bc2. When the parameters differ in (beta1, beta2,
-    eps, t) the corrections are applied per coordinate instead (slow path) and (1, 1) returned.
+    eps, t) the corrections are applied per coordinate instead (torch ops) and (1, 1) returned.
     """
     if st.adam is None or not st.adam.valid(st.opt):
         st.adam = _AdamCache(st.opt, params)
@@ -698,6 +843,11 @@ def _adam_stats(st: _OptState, params: list[torch.Tensor]) -> tuple[float, float
     if t is None:
         ts = ad.step_counts(st.opt)
         per = [(*h, t_) for h, (_, a, b) in zip(hps, ad.groups, strict=True) for t_ in ts[a:b]]
+    if not per and K is not None and ad.fused_addr is not None:
+        b1, b2, e = hps[0]
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        K.adam(len(params), *ad.fused_addr, st.addr["lens"], e * e * bc2, st.addr["out_a"])
+        return bc1, bc2, st.out_a.tolist()
     out, x = st.out, st.buf[3]
     torch.cat(ad.flat_m(), out=x)  # state tensors persist: cached flat views, one kernel
     if per:
@@ -715,7 +865,7 @@ def _adam_stats(st: _OptState, params: list[torch.Tensor]) -> tuple[float, float
     torch.sum(x, 0, out=out[_VSUM])
     torch.lt(x, thr, out=x)  # 1.0 where below: counted by a float sum (a bool reduction is slower)
     torch.sum(x, 0, out=out[_NBELOW])
-    return bc1, bc2
+    return bc1, bc2, None
 
 
 def _per_coord(values: list[float], sizes: list[int], device: torch.device) -> torch.Tensor:

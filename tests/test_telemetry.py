@@ -17,8 +17,14 @@ X = np.array([[1.0, 2.0, -1.0], [0.5, -0.5, 0.3], [-1.2, 0.7, 2.0], [0.0, 1.0, 1
 Y = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
 
 
-def make_linear() -> torch.nn.Linear:
-    lin = torch.nn.Linear(3, 2).double()
+# (dtype, backend, rel. tolerance): float64 goes through the Monitor's torch ops, float32 through
+# its fused C kernels (stabstudy.kernels); both against the float64 numpy reference
+PRECISIONS = [pytest.param(torch.float64, "torch", 1e-6, id="float64-torch"),
+              pytest.param(torch.float32, "fused", 2e-5, id="float32-fused")]
+
+
+def make_linear(dtype: torch.dtype = torch.float64) -> torch.nn.Linear:
+    lin = torch.nn.Linear(3, 2).to(dtype)
     with torch.no_grad():
         lin.weight.copy_(torch.tensor(W0))
         lin.bias.copy_(torch.tensor(B0))
@@ -37,7 +43,7 @@ def split(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def torch_steps(lin, opt, n, mon=None, log=True):
-    x, y = torch.tensor(X), torch.tensor(Y)
+    x, y = torch.tensor(X, dtype=lin.weight.dtype), torch.tensor(Y, dtype=lin.weight.dtype)
     for _ in range(n):
         opt.zero_grad()
         loss = ((lin(x) - y) ** 2).mean()
@@ -51,14 +57,16 @@ def cos(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def test_sgd_channels_by_hand():
-    lin = make_linear()
+@pytest.mark.parametrize(("dtype", "backend", "rel"), PRECISIONS)
+def test_sgd_channels_by_hand(dtype, backend, rel):
+    lin = make_linear(dtype)
     lr = 0.1
     opt = torch.optim.SGD(lin.parameters(), lr=lr)
-    mon = Monitor(lin, opt)
+    mon = Monitor(lin, opt, backend=backend)
     torch_steps(lin, opt, 2, mon)
     ds = mon.to_dataset()
     mon.close()
+    assert mon.fused_steps == (2 if backend == "fused" else 0)
     assert mon.row()["grad_norm"] == ds.grad_norm.values[-1] and mon.row(0)["loss"] == ds.loss.values[0]
 
     w0 = np.concatenate([W0.ravel(), B0])
@@ -66,13 +74,13 @@ def test_sgd_channels_by_hand():
     w1 = w0 - lr * g0
     g1 = np_grad(*split(w1))
     assert list(ds.step.values) == [0, 1]
-    assert ds.grad_norm.values == pytest.approx([np.linalg.norm(g0), np.linalg.norm(g1)], rel=1e-6)
-    assert ds.update_norm.values[0] == pytest.approx(lr * np.linalg.norm(g0), rel=1e-6)
-    assert ds.update_ratio.values[0] == pytest.approx(lr * np.linalg.norm(g0) / np.linalg.norm(w0), rel=1e-6)
-    assert ds.update_ratio.values[1] == pytest.approx(lr * np.linalg.norm(g1) / np.linalg.norm(w1), rel=1e-6)
-    assert ds.update_grad_cos.values == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert ds.grad_norm.values == pytest.approx([np.linalg.norm(g0), np.linalg.norm(g1)], rel=rel)
+    assert ds.update_norm.values[0] == pytest.approx(lr * np.linalg.norm(g0), rel=rel)
+    assert ds.update_ratio.values[0] == pytest.approx(lr * np.linalg.norm(g0) / np.linalg.norm(w0), rel=rel)
+    assert ds.update_ratio.values[1] == pytest.approx(lr * np.linalg.norm(g1) / np.linalg.norm(w1), rel=rel)
+    assert ds.update_grad_cos.values == pytest.approx([1.0, 1.0], abs=rel)
     assert math.isnan(ds.xgrad.values[0])
-    assert ds.xgrad.values[1] == pytest.approx(cos(g1, g0), abs=1e-6)
+    assert ds.xgrad.values[1] == pytest.approx(cos(g1, g0), abs=rel)
     assert ds.lr.values == pytest.approx([lr, lr])
     for ch in ("adam_m_norm", "adam_v_mean", "adam_eps_frac"):
         assert np.isnan(ds[ch].values).all(), ch
@@ -100,29 +108,31 @@ def np_adam(n_steps, lr, b1, b2, eps, wd=0.0, decoupled=False):
     return out
 
 
+@pytest.mark.parametrize(("dtype", "backend", "rel"), PRECISIONS)
 @pytest.mark.parametrize("decoupled", [False, True])
-def test_adam_and_adamw_channels_by_hand(decoupled):
+def test_adam_and_adamw_channels_by_hand(decoupled, dtype, backend, rel):
     lr, b1, b2, eps, wd = 0.05, 0.8, 0.9, 0.3, 0.1
-    lin = make_linear()
+    lin = make_linear(dtype)
     if decoupled:
         opt = torch.optim.AdamW(lin.parameters(), lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
     else:
         opt = torch.optim.Adam(lin.parameters(), lr=lr, betas=(b1, b2), eps=eps)
-    mon = Monitor(lin, opt)
+    mon = Monitor(lin, opt, backend=backend)
     torch_steps(lin, opt, 3, mon)
     ds = mon.to_dataset()
+    assert mon.fused_steps == (3 if backend == "fused" else 0)
     ref = np_adam(3, lr, b1, b2, eps, wd=wd, decoupled=decoupled)
     for t, (g, wb, wa, m_hat, v_hat) in enumerate(ref):
         u = wa - wb
-        assert ds.grad_norm.values[t] == pytest.approx(np.linalg.norm(g), rel=1e-6)
-        assert ds.update_norm.values[t] == pytest.approx(np.linalg.norm(u), rel=1e-6)
-        assert ds.update_ratio.values[t] == pytest.approx(np.linalg.norm(u) / np.linalg.norm(wb), rel=1e-6)
-        assert ds.update_grad_cos.values[t] == pytest.approx(cos(u, -g), abs=1e-6)
-        assert ds.adam_m_norm.values[t] == pytest.approx(np.linalg.norm(m_hat), rel=1e-6)
-        assert ds.adam_v_mean.values[t] == pytest.approx(v_hat.mean(), rel=1e-6)
+        assert ds.grad_norm.values[t] == pytest.approx(np.linalg.norm(g), rel=rel)
+        assert ds.update_norm.values[t] == pytest.approx(np.linalg.norm(u), rel=rel)
+        assert ds.update_ratio.values[t] == pytest.approx(np.linalg.norm(u) / np.linalg.norm(wb), rel=rel)
+        assert ds.update_grad_cos.values[t] == pytest.approx(cos(u, -g), abs=rel)
+        assert ds.adam_m_norm.values[t] == pytest.approx(np.linalg.norm(m_hat), rel=rel)
+        assert ds.adam_v_mean.values[t] == pytest.approx(v_hat.mean(), rel=rel)
         assert ds.adam_eps_frac.values[t] == pytest.approx(np.mean(np.sqrt(v_hat) < eps))
         if t:
-            assert ds.xgrad.values[t] == pytest.approx(cos(g, ref[t - 1][0]), abs=1e-6)
+            assert ds.xgrad.values[t] == pytest.approx(cos(g, ref[t - 1][0]), abs=rel)
     # eps chosen so that the fraction is strictly between 0 and 1 somewhere
     assert 0 < np.nanmax(ds.adam_eps_frac.values) < 1
 

@@ -1,0 +1,121 @@
+"""Fused one-pass kernels for the Monitor on float32 CPU tensors, compiled on first use.
+
+A measured Monitor step needs, over every stepped parameter, ||g||^2, g.g_prev, ||w||^2,
+||u||^2, u.g, ||m||^2, sum(v) and #(v < thr), plus copies of g and w. As torch ops each is a
+separate pass over cold memory with a dispatch per tensor or per row. ``kernels.c`` does them
+in three passes (gradient and weights before the step; update after it; Adam state), called
+through :mod:`ctypes` with the tensors' data pointers.
+
+The C file ships with the package and is compiled with the system C compiler (``$CC``, else
+``cc``) into ``$STABSTUDY_CACHE`` (default ``$XDG_CACHE_HOME/stabstudy``, else
+``~/.cache/stabstudy``) under a name that hashes the source, the flags and the platform, so an
+edited source recompiles; the file is written atomically (several processes may compile at
+once). Without a compiler, or with ``STABSTUDY_FUSED=0``, :func:`load` returns None and the
+Monitor uses its torch path; :func:`unavailable_reason` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("kernels.c")
+# -fassociative-math lets gcc vectorize the float reductions; no -ffast-math, whose
+# -ffinite-math-only would let it assume away the NaN / inf a diverging run produces
+FLAGS = ("-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math",
+         "-shared", "-fPIC")
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+class Kernels:
+    """The loaded library; arguments are plain integers (addresses, counts) or None for NULL."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        self.grad = lib.ss_grad
+        self.grad.argtypes = [_I, _P, _P, _P, _P, _P, _P, _P]
+        self.update = lib.ss_update
+        self.update.argtypes = [_I, _P, _P, _P, _P, _P]
+        self.adam = lib.ss_adam
+        self.adam.argtypes = [_I, _P, _P, _P, ctypes.c_float, _P]
+        for f in (self.grad, self.update, self.adam):
+            f.restype = None
+
+
+_loaded: Kernels | None = None
+_reason: str | None = None
+_tried = False
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("STABSTUDY_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "stabstudy"
+
+
+def _library_name(cc: str) -> str:
+    h = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), cc.encode(), platform.machine().encode(),
+                 sys.platform.encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"kernels-{h.hexdigest()[:16]}.so"
+
+
+def _compile(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load() -> Kernels | None:
+    """The compiled kernels (compiled now if missing from the cache), or None if unavailable."""
+    global _loaded, _reason, _tried
+    if _tried:
+        return _loaded
+    _tried = True
+    if os.environ.get("STABSTUDY_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
+        _reason = "disabled by STABSTUDY_FUSED"
+        return None
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        _reason = f"no C compiler: {cc!r} not found (set $CC)"
+        return None
+    name = _library_name(cc)
+    try:
+        path = cache_dir() / name
+        if not path.exists():
+            try:
+                _compile(cc, path)
+            except OSError:  # cache folder not writable: compile into this process's temp folder
+                path = Path(tempfile.mkdtemp(prefix="stabstudy-kernels-")) / name
+                _compile(cc, path)
+        _loaded = Kernels(ctypes.CDLL(str(path)), path)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _reason = f"{type(e).__name__}: {e}"
+        return None
+    return _loaded
+
+
+def unavailable_reason() -> str | None:
+    """Why :func:`load` returned None (None when the kernels loaded or were not tried yet)."""
+    return _reason
