@@ -44,13 +44,14 @@ static inline void grad_pass(const float *restrict g, int64_t len, float *restri
     out[2] = sww;
 }
 
-/* Per tensor t: out[3t] = g.g, out[3t+1] = g.gprev, out[3t+2] = w.w (0 where not asked).
- * gdst == NULL: norms only. w == NULL: copy the gradient into gdst (and no gprev).
+/* Per tensor t: out[3t] = g.g, out[3t+1] = g.gprev, out[3t+2] = w.w (0 where not asked);
+ * out[3n..3n+2]: their sums over the tensors. gdst == NULL: norms only. w == NULL: copy the gradient into gdst (and no gprev).
  * Otherwise copy the gradient into gdst and the weights into wdst; gprev may be NULL. */
 void ss_grad(int64_t n, const float *const *g, const int64_t *len, float *gdst,
              const float *gprev, const float *const *w, float *wdst, double *out)
 {
     int64_t off = 0;
+    double tot[3] = {0.0, 0.0, 0.0};
     for (int64_t t = 0; t < n; t++) {
         double *o = out + 3 * t;
         if (gdst == NULL)
@@ -61,16 +62,22 @@ void ss_grad(int64_t n, const float *const *g, const int64_t *len, float *gdst,
             grad_pass(g[t], len[t], gdst + off, NULL, w[t], wdst + off, o, 1, 0, 1);
         else
             grad_pass(g[t], len[t], gdst + off, gprev + off, w[t], wdst + off, o, 1, 1, 1);
+        for (int k = 0; k < 3; k++)
+            tot[k] += o[k];
         off += len[t];
     }
+    for (int k = 0; k < 3; k++)
+        out[3 * n + k] = tot[k];
 }
 
 /* wb holds the weights before the step. With w != NULL it becomes w_before - w_after (= -u);
- * with w == NULL it already holds -u. Per tensor t: out[2t] = u.u, out[2t+1] = (-u).g. */
+ * with w == NULL it already holds -u. Per tensor t: out[2t] = u.u, out[2t+1] = (-u).g;
+ * out[2n], out[2n+1]: their sums over the tensors. */
 void ss_update(int64_t n, const float *const *w, const int64_t *len, float *wb,
                const float *g, double *out)
 {
     int64_t off = 0;
+    double tot_uu = 0.0, tot_ug = 0.0;
     for (int64_t t = 0; t < n; t++) {
         const float *restrict a = w ? w[t] : NULL;
         float *restrict d = wb + off;
@@ -99,8 +106,12 @@ void ss_update(int64_t n, const float *const *w, const int64_t *len, float *wb,
         }
         out[2 * t] = suu;
         out[2 * t + 1] = sug;
+        tot_uu += suu;
+        tot_ug += sug;
         off += L;
     }
+    out[2 * n] = tot_uu;
+    out[2 * n + 1] = tot_ug;
 }
 
 /* Over all n tensors: out[0] = m.m, out[1] = sum(v), out[2] = #(v < thr). */

@@ -59,6 +59,7 @@ instability); Kingma & Ba 2015 (Adam bias correction).
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -143,6 +144,7 @@ class _Table:
         self.a = np.full((0, *tail), np.nan)
         self.m = np.zeros((0, *tail), dtype=bool) if masked else None
         self.n = 0  # rows in use: 1 + the largest row written
+        self.mv: memoryview | None = None  # flat view of ``a`` (see flat)
 
     def put(self, row: int, value: float) -> None:
         """Write one value (masked tables without a tail)."""
@@ -155,8 +157,20 @@ class _Table:
         self._grow(row)
         return self.a[row]
 
+    def flat(self, row: int) -> memoryview:
+        """The whole table as a flat float64 memoryview, allocated up to ``row``: element
+        ``(row, *idx)`` is at ``row * prod(tail) + ...``. Writing single cells through it
+        costs far less than numpy indexing in the cold-cache optimizer hooks."""
+        if row >= len(self.a) or self.mv is None:
+            self._grow(row)
+            self.mv = memoryview(self.a).cast("B").cast("d")
+        elif row >= self.n:
+            self.n = row + 1
+        return self.mv
+
     def _grow(self, row: int) -> None:
         if row >= len(self.a):
+            self.mv = None
             self.a = self._padded(self.a, max(64, 2 * len(self.a), row + 1), np.nan)
             if self.m is not None:
                 self.m = self._padded(self.m, len(self.a), False)
@@ -201,23 +215,27 @@ class _OptState:
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
         self.adam: _AdamCache | None = None
-        # fused path (stabstudy.kernels): data pointers and outputs as numpy arrays whose
-        # addresses are taken once; per tensor t, out_g[t] = (g.g, g.g_prev, w.w), out_u[t] = (u.u, -u.g)
+        # fused path (stabstudy.kernels). Plain ``array.array``s, not numpy: in a training loop
+        # the hooks run with cold caches, where numpy's heavier code paths cost tens of us per
+        # call. out_g[3t:3t+3] = (g.g, g.g_prev, w.w) of tensor t, then the sums over tensors;
+        # out_u[2t:2t+2] = (u.u, -u.g), then the sums; out_a = (m.m, sum v, #(v < thr)).
         self.fused = False  # this step's statistics come from the fused kernels
-        self.lens = self.gptr = self.wptr = self.out_g = self.out_u = self.out_a = np.zeros(0)
-        self.addr: dict[str, int] = {}
-        self.row_addr: list[int] = []
+        self.lens = self.out_g = self.out_u = self.out_a = array("d")
+        self.gptr = self.wptr = array("Q")  # data pointers of this step's gradients / parameters
+        self.addr: dict[str, int] = {}  # addresses of lens, out_g, out_u, out_a
+        self.row_addr: list[int] = []  # addresses of the buffer rows
         self.w_list: list[int] = []  # the parameters' data pointers the pre-hook checked
 
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
 
-    def prepare(self, params: list[torch.Tensor]) -> None:
-        """(Re)build the buffers when the set of stepped parameters or their device changes."""
-        key = tuple(map(id, params))
-        dev = params[0].device
-        if key == self.key and self.buf is not None and self.buf.device == dev:
+    def prepare(self, params: list[torch.Tensor], key: tuple[int, ...]) -> None:
+        """(Re)build the buffers when the set of stepped parameters (``key``: their ids) or
+        their device changes."""
+        p0, buf = params[0], self.buf
+        if key == self.key and buf is not None and (buf.is_cpu if p0.is_cpu else buf.device == p0.device):
             return
+        dev = params[0].device
         self.sizes = [p.numel() for p in params]
         self.buf = torch.zeros(4, sum(self.sizes), dtype=torch.float32, device=dev)
         self.rows = [[v.view(p.shape) for v, p in zip(self.buf[r].split(self.sizes), params, strict=True)]
@@ -225,10 +243,9 @@ class _OptState:
         self.res = torch.zeros(_NRES, dtype=torch.float32, device=dev)
         self.out = list(self.res.unbind())
         P = len(params)
-        self.lens = np.array(self.sizes, dtype=np.int64)
-        self.gptr, self.wptr = np.zeros(P, dtype=np.uintp), np.zeros(P, dtype=np.uintp)
-        self.out_g, self.out_u, self.out_a = np.zeros((P, 3)), np.zeros((P, 2)), np.zeros(3)
-        self.addr = {k: getattr(self, k).ctypes.data for k in ("lens", "gptr", "wptr", "out_g", "out_u", "out_a")}
+        self.lens = array("q", self.sizes)
+        self.out_g, self.out_u, self.out_a = (array("d", bytes(8 * k)) for k in (3 * (P + 1), 2 * (P + 1), 3))
+        self.addr = {k: getattr(self, k).buffer_info()[0] for k in ("lens", "out_g", "out_u", "out_a")}
         self.row_addr = [self.buf[r].data_ptr() for r in range(4)]
         self.key = key
         self.prev_step = -10
@@ -243,7 +260,7 @@ def _point(st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor])
     when the fused kernels cannot read them: not contiguous float32 CPU tensors of the sizes the
     buffers were built for (``p.data`` may have been replaced since). A gradient has its
     parameter's dtype, device and shape (torch enforces it), not necessarily its layout."""
-    w = st.w_list = []
+    w = []
     for p, n in zip(params, st.sizes, strict=True):
         if not (p.is_cpu and p.dtype is _F32 and p.is_contiguous() and p.numel() == n):
             return False
@@ -251,8 +268,9 @@ def _point(st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor])
     for g in grads:
         if not g.is_contiguous():
             return False
-    st.wptr[:] = w
-    st.gptr[:] = [g.data_ptr() for g in grads]
+    st.w_list = w
+    st.wptr = array("Q", w)
+    st.gptr = array("Q", [g.data_ptr() for g in grads])
     return True
 
 
@@ -527,27 +545,29 @@ class Monitor:
         st.params = params
         st.measuring = st.kept = st.fused = False
         st.lr = _as_float(st.opt.param_groups[0]["lr"])
-        st.lr_primary = _as_float(self._opts[0].opt.param_groups[0]["lr"])
+        st.lr_primary = st.lr if st.index == 0 else _as_float(self._opts[0].opt.param_groups[0]["lr"])
         st.pre = {}
         if not params:
             return
-        if st.adam is not None and st.adam.verified and tuple(map(id, params)) != st.adam.ids:
+        ids = tuple(map(id, params))
+        if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
         measure = s % self.every == 0
         keep = not measure and self.every > 1 and (s + 1) % self.every == 0  # for the next step's xgrad
-        if self._fused_ok(st, params, grads):
+        if self._fused_ok(st, params, grads, ids):
             st.fused = True
             self.fused_steps += 1
             self._pre_fused(st, s, measure, keep)
         else:
-            self._pre_torch(st, s, params, grads, measure, keep)
+            self._pre_torch(st, s, params, grads, ids, measure, keep)
 
-    def _fused_ok(self, st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
+    def _fused_ok(self, st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor],
+                  ids: tuple[int, ...]) -> bool:
         """Whether this step runs on the fused kernels (then their pointers are loaded into ``st``)."""
         if self._kernels is None:
             return False
-        st.prepare(params)
+        st.prepare(params, ids)
         if _point(st, params, grads):
             return True
         if self.backend == "fused":
@@ -557,30 +577,31 @@ class Monitor:
 
     def _pre_fused(self, st: _OptState, s: int, measure: bool, keep: bool) -> None:
         K, a, n = self._kernels, st.addr, len(st.sizes)
+        g_at = st.gptr.buffer_info()[0]
         if measure:
             gprev = st.row_addr[1 - st.slot] if st.prev_step == s - 1 else None
-            K.grad(n, a["gptr"], a["lens"], st.row_addr[st.slot], gprev, a["wptr"], st.row_addr[2], a["out_g"])
+            K.grad(n, g_at, a["lens"], st.row_addr[st.slot], gprev, st.wptr.buffer_info()[0], st.row_addr[2],
+                   a["out_g"])
             st.measuring = True
             return
-        K.grad(n, a["gptr"], a["lens"], st.row_addr[st.slot] if keep else None, None, None, None, a["out_g"])
-        g2s = st.out_g[:, 0]
-        st.pre["g2"] = float(g2s.sum())
+        K.grad(n, g_at, a["lens"], st.row_addr[st.slot] if keep else None, None, None, None, a["out_g"])
+        st.pre["g2"] = st.out_g[3 * n]
         if self.per_layer:
-            st.pre["layer_g"] = np.sqrt(g2s).tolist()
+            st.pre["layer_g"] = [math.sqrt(x) for x in st.out_g[0:3 * n:3]]
         if keep:
             st.kept = True
             st.prev_step = s
             st.slot = 1 - st.slot
 
     def _pre_torch(self, st: _OptState, s: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-                   measure: bool, keep: bool) -> None:
+                   ids: tuple[int, ...], measure: bool, keep: bool) -> None:
         if not measure and not keep:
             # float32 norms: a half-precision gradient's norm overflows float16 long before its
             # entries do; summed in Python after one transfer (a few dozen numbers)
             st.pre["norms"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
             return
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
-            st.prepare(params)
+            st.prepare(params, ids)
             # copies by foreach (grads are new tensors each step: no cached flat views); the
             # dot products of a row right after writing it, while it is in cache
             torch._foreach_copy_(st.rows[st.slot], grads)
@@ -607,10 +628,11 @@ class Monitor:
     def _post(self, st: _OptState) -> None:
         s = self._step
         params, st.params = st.params, []
-        rec = self._stats.row(s)[st.index]
-        rec[_F_ORDER], rec[_F_LR], rec[_F_LRP] = st.order, st.lr, st.lr_primary
+        rec = self._stats.flat(s)  # this optimizer's fields start at b
+        b = (s * len(self._opts) + st.index) * _NF
+        rec[b + _F_ORDER], rec[b + _F_LR], rec[b + _F_LRP] = st.order, st.lr, st.lr_primary
         if not params:
-            rec[_F_KIND] = _K_NOPARAMS
+            rec[b + _F_KIND] = _K_NOPARAMS
             return
         if not st.measuring:
             norms = st.pre.get("norms")
@@ -624,24 +646,24 @@ class Monitor:
                     layer_g = layer_g.tolist()
             if self.per_layer:
                 self._store_layers(s, params, layer_g, None)
-            rec[_F_KIND], rec[_F_G2] = _K_GRAD, g2
+            rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, g2
             if st.kept:
                 st.prev_g2 = g2
             return
         measured = self._measured_fused if st.fused else self._measured_torch
         g2, gpg, w2, u2, nug, adam, layer = measured(st, params)
-        rec[_F_KIND] = _K_FULL
-        rec[_F_G2], rec[_F_GP2], rec[_F_GPG], rec[_F_W2] = g2, st.prev_g2, gpg, w2
-        rec[_F_U2], rec[_F_UG], rec[_F_PREV] = u2, -nug, 1.0 if st.prev_step == s - 1 else 0.0
+        rec[b + _F_KIND] = _K_FULL
+        rec[b + _F_G2], rec[b + _F_GP2], rec[b + _F_GPG], rec[b + _F_W2] = g2, st.prev_g2, gpg, w2
+        rec[b + _F_U2], rec[b + _F_UG], rec[b + _F_PREV] = u2, -nug, 1.0 if st.prev_step == s - 1 else 0.0
         if layer is not None:
             g_l, u_l, w_l = layer
             ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
             self._store_layers(s, params, g_l, ratio)
         if adam is not None:
             bc1, bc2, m2, vsum, nbelow = adam
-            rec[_F_KIND] = _K_ADAM
-            rec[_F_M2], rec[_F_VSUM], rec[_F_NBELOW] = m2 / bc1**2, vsum / bc2, nbelow
-            rec[_F_N] = float(st.buf.shape[1])
+            rec[b + _F_KIND] = _K_ADAM
+            rec[b + _F_M2], rec[b + _F_VSUM], rec[b + _F_NBELOW] = m2 / bc1**2, vsum / bc2, nbelow
+            rec[b + _F_N] = float(st.buf.shape[1])
         st.prev_step = s
         st.prev_g2 = g2
         st.last_measured = s
@@ -676,7 +698,7 @@ class Monitor:
         """As :meth:`_measured_torch`, from the fused kernels (the gradient pass ran in the pre-hook)."""
         K, a, n = self._kernels, st.addr, len(st.sizes)
         if [p.data_ptr() for p in params] == st.w_list:  # the step updated the weights in place
-            K.update(n, a["wptr"], a["lens"], st.row_addr[2], st.row_addr[st.slot], a["out_u"])
+            K.update(n, st.wptr.buffer_info()[0], a["lens"], st.row_addr[2], st.row_addr[st.slot], a["out_u"])
         else:
             with torch.no_grad():
                 torch._foreach_sub_(st.rows[2], params)
@@ -688,12 +710,12 @@ class Monitor:
                 vals = st.res.tolist()
                 mvb = [vals[_M2], vals[_VSUM], vals[_NBELOW]]
             adam = (bc1, bc2, *mvb)
-        g2, gpg, w2 = st.out_g.sum(0).tolist()
-        u2, nug = st.out_u.sum(0).tolist()
+        g2, gpg, w2 = st.out_g[3 * n:3 * n + 3]
+        u2, nug = st.out_u[2 * n:2 * n + 2]
         norms = None
         if self.per_layer:
-            norms = (np.sqrt(st.out_g[:, 0]).tolist(), np.sqrt(st.out_u[:, 0]).tolist(),
-                     np.sqrt(st.out_g[:, 2]).tolist())
+            norms = tuple([math.sqrt(x) for x in out[k:k + m * n:m]]
+                          for out, k, m in ((st.out_g, 0, 3), (st.out_u, 0, 2), (st.out_g, 2, 3)))
         return g2, gpg, w2, u2, nug, adam, norms
 
     def last_update(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -774,9 +796,9 @@ class _AdamCache:
         self.fused_addr: tuple[int, int] | None = None
         if all(t.is_cpu and t.dtype is _F32 and t.is_contiguous() and t.numel() == p.numel()
                for ts in (self.ms, self.vs) for t, p in zip(ts, params, strict=True)):
-            self.mptr = np.array([m.data_ptr() for m in self.ms], dtype=np.uintp)
-            self.vptr = np.array([v.data_ptr() for v in self.vs], dtype=np.uintp)
-            self.fused_addr = (self.mptr.ctypes.data, self.vptr.ctypes.data)
+            self.mptr = array("Q", [m.data_ptr() for m in self.ms])
+            self.vptr = array("Q", [v.data_ptr() for v in self.vs])
+            self.fused_addr = (self.mptr.buffer_info()[0], self.vptr.buffer_info()[0])
         self.ok = True
 
     def flat_m(self) -> list[torch.Tensor]:
