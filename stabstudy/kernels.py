@@ -103,13 +103,21 @@ def load() -> Kernels | None:
     name = _library_name(cc)
     try:
         path = cache_dir() / name
-        if not path.exists():
+        fresh = not path.exists()
+        if fresh:
             try:
                 _compile(cc, path)
             except OSError:  # cache folder not writable: compile into this process's temp folder
                 path = Path(tempfile.mkdtemp(prefix="stabstudy-kernels-")) / name
                 _compile(cc, path)
-        _loaded = Kernels(ctypes.CDLL(str(path)), path)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:
+            if fresh:
+                raise
+            _compile(cc, path)  # a damaged cached library: build it again
+            lib = ctypes.CDLL(str(path))
+        _loaded = Kernels(lib, path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _reason = f"{type(e).__name__}: {e}"
         return None

@@ -178,3 +178,20 @@ def test_parameters_replaced_by_the_step():
         del OPTIMIZERS["out-of-place"]
     assert mon.fused_steps == 4 and np.isfinite(fused.update_norm.values).all()
     assert_same(fused, ref)
+
+
+@needs_kernels
+def test_damaged_cached_library_is_rebuilt(fresh_kernels):
+    # as left by an earlier process (never by this one: the compile writes a temporary file and
+    # renames it; rewriting a library this process has loaded would corrupt its mapped code)
+    path = fresh_kernels / kernels._library_name(os.environ.get("CC") or "cc")
+    fresh_kernels.mkdir()
+    path.write_bytes(b"not a shared library")
+    k = kernels.load()
+    assert k is not None and k.path == path and path.read_bytes()[:4] == b"\x7fELF"
+    lin = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt, backend="fused")
+    lin(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    assert mon.fused_steps == 1 and mon.grad_norm() > 0
