@@ -45,8 +45,9 @@ static inline void grad_pass(const float *restrict g, int64_t len, float *restri
 }
 
 /* Per tensor t: out[3t] = g.g, out[3t+1] = g.gprev, out[3t+2] = w.w (0 where not asked);
- * out[3n..3n+2]: their sums over the tensors. gdst == NULL: norms only. w == NULL: copy the gradient into gdst (and no gprev).
- * Otherwise copy the gradient into gdst and the weights into wdst; gprev may be NULL. */
+ * out[3n..3n+2]: their sums over the tensors. gdst == NULL: norms only. w == NULL: also copy
+ * the gradient into gdst (gprev unused). Otherwise copy the gradient into gdst and the weights
+ * into wdst, and with gprev != NULL also sum g.gprev. */
 void ss_grad(int64_t n, const float *const *g, const int64_t *len, float *gdst,
              const float *gprev, const float *const *w, float *wdst, double *out)
 {
