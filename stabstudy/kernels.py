@@ -11,7 +11,7 @@ The C file ships with the package and is compiled with the system C compiler (``
 ``~/.cache/stabstudy``) under a name that hashes the source, the flags and the platform, so an
 edited source recompiles; the file is written atomically (several processes may compile at
 once). Without a compiler, or with ``STABSTUDY_FUSED=0``, :func:`load` returns None and the
-Monitor uses its torch path; :func:`unavailable_reason` says why.
+Monitor uses its torch path; :func:`unavailable_reason` says why (and a warning, unless disabled).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
@@ -88,18 +89,28 @@ def _compile(cc: str, target: Path) -> None:
 
 
 def load() -> Kernels | None:
-    """The compiled kernels (compiled now if missing from the cache), or None if unavailable."""
-    global _loaded, _reason, _tried
+    """The compiled kernels (compiled now if missing from the cache), or None if unavailable;
+    then a RuntimeWarning says why, once per process (not when disabled by ``STABSTUDY_FUSED``)."""
+    global _tried, _reason
     if _tried:
         return _loaded
     _tried = True
     if os.environ.get("STABSTUDY_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
         _reason = "disabled by STABSTUDY_FUSED"
         return None
+    _try_load()
+    if _loaded is None:
+        warnings.warn(f"stabstudy.kernels unavailable ({_reason}): the Monitor uses torch ops, which are "
+                      "slower on the CPU", RuntimeWarning, stacklevel=2)
+    return _loaded
+
+
+def _try_load() -> None:
+    global _loaded, _reason
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         _reason = f"no C compiler: {cc!r} not found (set $CC)"
-        return None
+        return
     name = _library_name(cc)
     try:
         path = cache_dir() / name
@@ -120,8 +131,6 @@ def load() -> Kernels | None:
         _loaded = Kernels(lib, path)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _reason = f"{type(e).__name__}: {e}"
-        return None
-    return _loaded
 
 
 def unavailable_reason() -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -120,7 +121,9 @@ def fresh_kernels(monkeypatch, tmp_path):
 
 def test_disabled_by_environment(fresh_kernels, monkeypatch):
     monkeypatch.setenv("STABSTUDY_FUSED", "0")
-    assert kernels.load() is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit opt-out is not warned about
+        assert kernels.load() is None
     assert "STABSTUDY_FUSED" in kernels.unavailable_reason()
     lin = torch.nn.Linear(2, 2)
     with pytest.raises(RuntimeError, match="unavailable: disabled by STABSTUDY_FUSED"):
@@ -131,13 +134,15 @@ def test_disabled_by_environment(fresh_kernels, monkeypatch):
 
 def test_no_compiler(fresh_kernels, monkeypatch):
     monkeypatch.setenv("CC", "no-such-cc-stabstudy")
-    assert kernels.load() is None
+    with pytest.warns(RuntimeWarning, match="no C compiler.*uses torch ops"):
+        assert kernels.load() is None
     assert "no C compiler" in kernels.unavailable_reason()
 
 
 def test_compiler_error_is_reported(fresh_kernels, monkeypatch):
     monkeypatch.setenv("CC", "false")  # exists, exits 1
-    assert kernels.load() is None
+    with pytest.warns(RuntimeWarning, match="false failed"):
+        assert kernels.load() is None
     assert "false failed" in kernels.unavailable_reason()
     assert not list(fresh_kernels.glob("*")), "no partial library left behind"
 
