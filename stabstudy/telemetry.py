@@ -255,11 +255,26 @@ class _OptState:
 _F32 = torch.float32
 
 
-def _point(st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor]) -> bool:
-    """Load the data pointers of ``params`` and ``grads`` into ``st``'s pointer arrays; False
-    when the fused kernels cannot read them: not contiguous float32 CPU tensors of the sizes the
-    buffers were built for (``p.data`` may have been replaced since). A gradient has its
-    parameter's dtype, device and shape (torch enforces it), not necessarily its layout."""
+def _grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor L2 norms, computed in at least float32: a half-precision gradient's norm
+    overflows float16 long before its entries do (float64 stays float64: torch will not narrow)."""
+    dt = torch.float64 if any(g.dtype is torch.float64 for g in grads) else _F32
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=dt))
+
+
+def _point(st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor], weights: bool) -> bool:
+    """Load the data pointers of ``grads`` (and with ``weights`` of ``params``) into ``st``'s
+    pointer arrays; False when the fused kernels cannot read them: not contiguous float32 CPU
+    tensors of the sizes the buffers were built for (``p.data`` may have been replaced since).
+    A gradient has its parameter's dtype, device and shape (torch enforces it), not
+    necessarily its layout; without ``weights`` (a step that reads only gradients) the
+    gradients are checked themselves."""
+    if not weights:
+        for g, n in zip(grads, st.sizes, strict=True):
+            if not (g.is_cpu and g.dtype is _F32 and g.is_contiguous() and g.numel() == n):
+                return False
+        st.gptr = array("Q", [g.data_ptr() for g in grads])
+        return True
     w = []
     for p, n in zip(params, st.sizes, strict=True):
         if not (p.is_cpu and p.dtype is _F32 and p.is_contiguous() and p.numel() == n):
@@ -555,7 +570,7 @@ class Monitor:
         grads = [p.grad for p in params]
         measure = s % self.every == 0
         keep = not measure and self.every > 1 and (s + 1) % self.every == 0  # for the next step's xgrad
-        if self._fused_ok(st, params, grads, ids):
+        if self._fused_ok(st, params, grads, ids, measure):
             st.fused = True
             self.fused_steps += 1
             self._pre_fused(st, s, measure, keep)
@@ -563,12 +578,13 @@ class Monitor:
             self._pre_torch(st, s, params, grads, ids, measure, keep)
 
     def _fused_ok(self, st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor],
-                  ids: tuple[int, ...]) -> bool:
-        """Whether this step runs on the fused kernels (then their pointers are loaded into ``st``)."""
+                  ids: tuple[int, ...], measure: bool) -> bool:
+        """Whether this step runs on the fused kernels (then their pointers are loaded into ``st``);
+        ``measure``: the step reads the parameters too."""
         if self._kernels is None:
             return False
         st.prepare(params, ids)
-        if _point(st, params, grads):
+        if _point(st, params, grads, weights=measure):
             return True
         if self.backend == "fused":
             raise RuntimeError(f"Monitor(backend='fused'): optimizer {st.name!r} steps parameters or gradients "
@@ -596,9 +612,8 @@ class Monitor:
     def _pre_torch(self, st: _OptState, s: int, params: list[torch.Tensor], grads: list[torch.Tensor],
                    ids: tuple[int, ...], measure: bool, keep: bool) -> None:
         if not measure and not keep:
-            # float32 norms: a half-precision gradient's norm overflows float16 long before its
-            # entries do; summed in Python after one transfer (a few dozen numbers)
-            st.pre["norms"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+            # summed in Python after one transfer (a few dozen numbers)
+            st.pre["norms"] = _grad_norms(grads)
             return
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
             st.prepare(params, ids)
@@ -623,7 +638,7 @@ class Monitor:
             st.prev_step = s
             st.slot = 1 - st.slot
             if self.per_layer:
-                st.pre["layer_g"] = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32))
+                st.pre["layer_g"] = _grad_norms(grads)
 
     def _post(self, st: _OptState) -> None:
         s = self._step
