@@ -20,10 +20,12 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class Kernels:
 _loaded: Kernels | None = None
 _reason: str | None = None
 _tried = False
+_lock = threading.Lock()  # one compile per process, whichever thread builds the first Monitor
 
 
 def cache_dir() -> Path:
@@ -79,7 +82,8 @@ def _compile(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([*shlex.split(cc), *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
@@ -92,23 +96,25 @@ def load() -> Kernels | None:
     """The compiled kernels (compiled now if missing from the cache), or None if unavailable;
     then a RuntimeWarning says why, once per process (not when disabled by ``STABSTUDY_FUSED``)."""
     global _tried, _reason
-    if _tried:
+    with _lock:
+        if _tried:
+            return _loaded
+        _tried = True
+        if os.environ.get("STABSTUDY_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
+            _reason = "disabled by STABSTUDY_FUSED"
+            return None
+        _try_load()
+        if _loaded is None:
+            warnings.warn(f"stabstudy.kernels unavailable ({_reason}): the Monitor uses torch ops, which are "
+                          "slower on the CPU", RuntimeWarning, stacklevel=2)
         return _loaded
-    _tried = True
-    if os.environ.get("STABSTUDY_FUSED", "1").strip().lower() in ("0", "false", "no", "off"):
-        _reason = "disabled by STABSTUDY_FUSED"
-        return None
-    _try_load()
-    if _loaded is None:
-        warnings.warn(f"stabstudy.kernels unavailable ({_reason}): the Monitor uses torch ops, which are "
-                      "slower on the CPU", RuntimeWarning, stacklevel=2)
-    return _loaded
 
 
 def _try_load() -> None:
     global _loaded, _reason
-    cc = os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
+    cc = os.environ.get("CC") or "cc"  # may carry a launcher or flags: "ccache gcc", "gcc -m64"
+    words = shlex.split(cc)
+    if not words or shutil.which(words[0]) is None:
         _reason = f"no C compiler: {cc!r} not found (set $CC)"
         return
     name = _library_name(cc)

@@ -151,6 +151,14 @@ def test_compiler_error_is_reported(fresh_kernels, monkeypatch):
 
 
 @needs_kernels
+def test_compiler_with_arguments(fresh_kernels, monkeypatch):
+    """$CC may carry flags or a launcher, as make and setuptools allow."""
+    monkeypatch.setenv("CC", f"{os.environ.get('CC') or 'cc'} -g0")
+    k = kernels.load()
+    assert k is not None, kernels.unavailable_reason()
+
+
+@needs_kernels
 def test_compiles_once_into_the_cache(fresh_kernels, monkeypatch):
     k = kernels.load()
     assert k is not None and k.path.parent == fresh_kernels
