@@ -563,6 +563,8 @@ class Monitor:
         st.lr_primary = st.lr if st.index == 0 else _as_float(self._opts[0].opt.param_groups[0]["lr"])
         st.pre = {}
         if not params:
+            rec, b = self._row_fields(st, s)
+            rec[b + _F_KIND] = _K_NOPARAMS
             return
         ids = tuple(map(id, params))
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
@@ -573,9 +575,25 @@ class Monitor:
         if self._fused_ok(st, params, grads, ids, measure):
             st.fused = True
             self.fused_steps += 1
-            self._pre_fused(st, s, measure, keep)
+            got = self._pre_fused(st, s, measure, keep)
         else:
-            self._pre_torch(st, s, params, grads, ids, measure, keep)
+            got = self._pre_torch(st, s, params, grads, ids, measure, keep)
+        if got is not None:  # a step that reads only the gradient: its row is complete already
+            g2, layer_g = got
+            rec, b = self._row_fields(st, s)
+            rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, g2
+            if self.per_layer:
+                self._store_layers(s, params, layer_g, None)
+            if st.kept:
+                st.prev_g2 = g2
+
+    def _row_fields(self, st: _OptState, s: int) -> tuple[memoryview, int]:
+        """The stats table (flat) and where ``st``'s fields of row ``s`` start, with the fields
+        every step records (order in the row, lr, primary lr) written."""
+        rec = self._stats.flat(s)
+        b = (s * len(self._opts) + st.index) * _NF
+        rec[b + _F_ORDER], rec[b + _F_LR], rec[b + _F_LRP] = st.order, st.lr, st.lr_primary
+        return rec, b
 
     def _fused_ok(self, st: _OptState, params: list[torch.Tensor], grads: list[torch.Tensor],
                   ids: tuple[int, ...], measure: bool) -> bool:
@@ -591,7 +609,10 @@ class Monitor:
                                "that are not contiguous float32 CPU tensors; use backend='auto' or 'torch'")
         return False
 
-    def _pre_fused(self, st: _OptState, s: int, measure: bool, keep: bool) -> None:
+    def _pre_fused(self, st: _OptState, s: int, measure: bool,
+                   keep: bool) -> tuple[float, list[float] | None] | None:
+        """The gradient pass; returns (||g||^2, per-tensor norms | None) where the step reads
+        nothing else, None for a measured step (finished by the post-hook)."""
         K, a, n = self._kernels, st.addr, len(st.sizes)
         g_at = st.gptr.buffer_info()[0]
         if measure:
@@ -599,22 +620,21 @@ class Monitor:
             K.grad(n, g_at, a["lens"], st.row_addr[st.slot], gprev, st.wptr.buffer_info()[0], st.row_addr[2],
                    a["out_g"])
             st.measuring = True
-            return
+            return None
         K.grad(n, g_at, a["lens"], st.row_addr[st.slot] if keep else None, None, None, None, a["out_g"])
-        st.pre["g2"] = st.out_g[3 * n]
-        if self.per_layer:
-            st.pre["layer_g"] = [math.sqrt(x) for x in st.out_g[0:3 * n:3]]
+        layer_g = [math.sqrt(x) for x in st.out_g[0:3 * n:3]] if self.per_layer else None
         if keep:
             st.kept = True
             st.prev_step = s
             st.slot = 1 - st.slot
+        return st.out_g[3 * n], layer_g
 
     def _pre_torch(self, st: _OptState, s: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-                   ids: tuple[int, ...], measure: bool, keep: bool) -> None:
+                   ids: tuple[int, ...], measure: bool, keep: bool) -> tuple[float, list[float] | None] | None:
+        """As :meth:`_pre_fused`, by torch ops."""
         if not measure and not keep:
-            # summed in Python after one transfer (a few dozen numbers)
-            st.pre["norms"] = _grad_norms(grads)
-            return
+            norms = _grad_norms(grads).tolist()  # one transfer; summed in Python
+            return math.fsum(x * x for x in norms), norms
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
             st.prepare(params, ids)
             # copies by foreach (grads are new tensors each step: no cached flat views); the
@@ -631,40 +651,20 @@ class Monitor:
                 if self.per_layer:
                     st.pre["layer_w"] = torch._foreach_norm(st.rows[2])
                 st.measuring = True
-                return
+                return None
             g = st.buf[st.slot]
-            st.pre["g2"] = g.dot(g)
+            g2 = float(g.dot(g).item())
             st.kept = True
             st.prev_step = s
             st.slot = 1 - st.slot
-            if self.per_layer:
-                st.pre["layer_g"] = _grad_norms(grads)
+            return g2, (_grad_norms(grads).tolist() if self.per_layer else None)
 
     def _post(self, st: _OptState) -> None:
-        s = self._step
         params, st.params = st.params, []
-        rec = self._stats.flat(s)  # this optimizer's fields start at b
-        b = (s * len(self._opts) + st.index) * _NF
-        rec[b + _F_ORDER], rec[b + _F_LR], rec[b + _F_LRP] = st.order, st.lr, st.lr_primary
-        if not params:
-            rec[b + _F_KIND] = _K_NOPARAMS
+        if not st.measuring:  # the pre-hook recorded the row
             return
-        if not st.measuring:
-            norms = st.pre.get("norms")
-            if norms is not None:  # an unmeasured step (torch path)
-                layer_g = norms.tolist()
-                g2 = math.fsum(x * x for x in layer_g)
-            else:  # an unmeasured step on the fused path, or one whose gradient is kept for the next xgrad
-                g2 = _as_float(st.pre["g2"])
-                layer_g = st.pre.get("layer_g")
-                if isinstance(layer_g, torch.Tensor):
-                    layer_g = layer_g.tolist()
-            if self.per_layer:
-                self._store_layers(s, params, layer_g, None)
-            rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, g2
-            if st.kept:
-                st.prev_g2 = g2
-            return
+        s = self._step
+        rec, b = self._row_fields(st, s)
         measured = self._measured_fused if st.fused else self._measured_torch
         g2, gpg, w2, u2, nug, adam, layer = measured(st, params)
         rec[b + _F_KIND] = _K_FULL
