@@ -180,6 +180,21 @@ def time_steps(model, opt, mon, loss_of, batches) -> float:
     return (time.perf_counter() - t0) / len(batches)
 
 
+def optimizer_share(model, opt, loss_of, batches) -> float:
+    """Median fraction of a training step spent in ``opt.step()`` (no Monitor): the part of the
+    step that, like a measured Monitor update, streams over parameters, gradients and state."""
+    shares = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        loss_of(model, x, y).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        shares.append((t2 - t1) / (t2 - t0))
+    return statistics.median(shares)
+
+
 def timed_hooks(mon: Monitor) -> list[float]:
     """Accumulate the wall time spent inside the Monitor's hook bodies (seconds, in [0])."""
     acc = [0.0]
@@ -223,6 +238,7 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
                 fused[label] = mon.fused_steps
                 mon.close()
     med = {k: statistics.median(v) for k, v in times.items()}
+    opt_share = optimizer_share(model, opt, loss_of, batches)
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     rows = []
@@ -232,7 +248,7 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
         hook_ms = statistics.median(hooks[label]) * 1e3
         rows.append({"workload": name, "variant": label, "params": n_params, "ms_per_step": med[label] * 1e3,
                      "ratio": q2, "ratio_iqr": (q1, q3), "hook_ms": hook_ms,
-                     "hook_frac": hook_ms / (med["off"] * 1e3),
+                     "hook_frac": hook_ms / (med["off"] * 1e3), "opt_share": opt_share,
                      "fused": "-" if label == "off" else ("yes" if fused[label] else "no")})
     if with_lambda:  # one lambda_max measurement (fixed 20 HVPs: tol=0) on the first batch
         x, y = batches[0]
@@ -424,6 +440,9 @@ def print_overhead(rows, args) -> None:
             tail = f"x  [{lo:.3f}, {hi:.3f}]{r['hook_ms']:>13.3f}{100 * r['hook_frac']:>9.1f}%{r['fused']:>7}"
         print(f"{r['workload']:<11}{r['variant']:<21}{r['params']:>9}{r['ms_per_step']:>10.1f}{r['ratio']:>13.3f}"
               f"{tail}")
+    shares = {r["workload"]: r["opt_share"] for r in rows if "opt_share" in r}
+    print("opt.step() share of a training step without the Monitor (median): "
+          + ", ".join(f"{w} {100 * v:.0f}%" for w, v in shares.items()))
 
 
 if __name__ == "__main__":
