@@ -220,7 +220,8 @@ class _OptState:
         # call. out_g[3t:3t+3] = (g.g, g.g_prev, w.w) of tensor t, then the sums over tensors;
         # out_u[2t:2t+2] = (u.u, -u.g), then the sums; out_a = (m.m, sum v, #(v < thr)).
         self.fused = False  # this step's statistics come from the fused kernels
-        self.lens = self.out_g = self.out_u = self.out_a = array("d")
+        self.lens = array("q")  # element count per tensor
+        self.out_g = self.out_u = self.out_a = array("d")
         self.gptr = self.wptr = array("Q")  # data pointers of this step's gradients / parameters
         self.addr: dict[str, int] = {}  # addresses of lens, out_g, out_u, out_a
         self.row_addr: list[int] = []  # addresses of the buffer rows
