@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stabstudy import study
+from stabstudy import paths, study
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
@@ -17,7 +17,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     timings = study.run_study(args.profile, args.only, args.scheduler)
     total = sum(t for _, t in timings)
     print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s; "
-          f"executed copies in build/{args.profile}/, figures in figures/")
+          f"executed copies in {paths.build_dir() / args.profile}/, figures in {paths.figures_dir()}/, "
+          f"runs in {paths.runs_dir()}/")
     return 0
 
 
