@@ -211,7 +211,7 @@ class _OptState:
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
         self.order = 0  # how many optimizers stepped before this one in the current row
         self.lr = self.lr_primary = _NAN  # read when this optimizer steps
-        self.pre: dict[str, Any] = {}
+        self.layer_w: list[torch.Tensor] = []  # per-tensor norms of w_before (torch path, per_layer)
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
         self.adam: _AdamCache | None = None
@@ -562,7 +562,6 @@ class Monitor:
         st.measuring = st.kept = st.fused = False
         st.lr = _as_float(st.opt.param_groups[0]["lr"])
         st.lr_primary = st.lr if st.index == 0 else _as_float(self._opts[0].opt.param_groups[0]["lr"])
-        st.pre = {}
         if not params:
             rec, b = self._row_fields(st, s)
             rec[b + _F_KIND] = _K_NOPARAMS
@@ -650,7 +649,7 @@ class Monitor:
                 w = st.buf[2]
                 torch.dot(w, w, out=out[_W2])
                 if self.per_layer:
-                    st.pre["layer_w"] = torch._foreach_norm(st.rows[2])
+                    st.layer_w = torch._foreach_norm(st.rows[2])
                 st.measuring = True
                 return None
             g = st.buf[st.slot]
@@ -698,7 +697,7 @@ class Monitor:
             adam = _adam_stats(st, params, None)
             if self.per_layer:
                 layer = [torch.stack(torch._foreach_norm(st.rows[st.slot])),
-                         torch.stack(torch._foreach_norm(st.rows[2])), torch.stack(st.pre["layer_w"])]
+                         torch.stack(torch._foreach_norm(st.rows[2])), torch.stack(st.layer_w)]
                 vals = torch.cat([res, *layer]).tolist()
             else:
                 vals = res.tolist()  # the one host sync of this step
