@@ -708,8 +708,6 @@ def run(spec: RunSpec) -> xr.Dataset:
     Returns the Dataset (dim ``step`` = updates completed, coordinate ``env_step``),
     ``attrs["status"]`` ``"ok"`` or ``"diverged"`` (with ``diverge_reason``).
     """
-
-
     if spec.domain != "rl":
         raise ValueError(f"stabstudy.rl.run handles domain 'rl', got {spec.domain!r}")
     check_env_id(spec.task)
