@@ -29,9 +29,11 @@ OPTIMIZERS = {
 
 
 def train(backend, opt_name="adam", every=1, per_layer=False, steps=9, dtype=torch.float32, hook=None):
+    """``opt_name``: a key of OPTIMIZERS, or a factory ``params -> optimizer``."""
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(6, 700), torch.nn.Tanh(), torch.nn.Linear(700, 3)).to(dtype)
-    opt = OPTIMIZERS[opt_name](list(model.parameters()))
+    make_opt = OPTIMIZERS[opt_name] if isinstance(opt_name, str) else opt_name
+    opt = make_opt(list(model.parameters()))
     mon = Monitor(model, opt, every=every, per_layer=per_layer, backend=backend)
     gen = torch.Generator().manual_seed(4)
     for s in range(steps):
@@ -186,12 +188,11 @@ class OutOfPlaceSGD(torch.optim.Optimizer):
 def test_parameters_replaced_by_the_step():
     """The post-hook sees new parameter tensors: the update is formed by torch ops, the sums by
     the kernels, and the next pre-hook checks the new tensors again."""
-    OPTIMIZERS["out-of-place"] = lambda ps: OutOfPlaceSGD(ps, lr=0.05)
-    try:
-        fused, mon = train("fused", "out-of-place", steps=4)
-        ref, _ = train("torch", "out-of-place", steps=4)
-    finally:
-        del OPTIMIZERS["out-of-place"]
+    def make(ps):
+        return OutOfPlaceSGD(ps, lr=0.05)
+
+    fused, mon = train("fused", make, steps=4)
+    ref, _ = train("torch", make, steps=4)
     assert mon.fused_steps == 4 and np.isfinite(fused.update_norm.values).all()
     assert_same(fused, ref)
 
