@@ -50,7 +50,8 @@ tensors and step counts are looked up once and reused while the optimizer's stat
 set of stepped parameters stay the same. Memory: four flat float32 rows the size of the
 stepped parameters per optimizer (gradient, previous gradient, parameters before the
 update then the negated update, scratch). ``benchmarks/telemetry_overhead.py`` measures
-the cost per step of both backends.
+the cost per step of both backends; :meth:`Monitor.cost` reports the time spent in the
+hooks of a live Monitor, i.e. its share of the user's own loop.
 
 References: Molybog et al. 2023 (update/gradient cosine before Adam
 instability); Kingma & Ba 2015 (Adam bias correction).
@@ -59,9 +60,10 @@ instability); Kingma & Ba 2015 (Adam bias correction).
 from __future__ import annotations
 
 import math
+import time
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -131,6 +133,16 @@ def gradient_coherence(grads: Sequence[Sequence[torch.Tensor] | torch.Tensor]) -
     num = G.mean(0).pow(2).sum()
     den = G.pow(2).sum(1).mean()
     return float((num / den).item()) if float(den) > 0 else _NAN
+
+
+class MonitorCost(NamedTuple):
+    """What :meth:`Monitor.cost` returns."""
+
+    hook_s: float  #: seconds spent inside the Monitor's hooks
+    span_s: float  #: seconds from the first hook's entry to the last hook's exit
+    fraction: float  #: hook_s / span_s: the share of the training loop's wall time (NaN before a step)
+    updates: int  #: rows recorded (updates of the primary optimizer)
+    hook_calls: int  #: hook invocations (two per optimizer step)
 
 
 class _Table:
@@ -359,6 +371,7 @@ class Monitor:
         self._opts = [_OptState(i, str(n), o) for i, (n, o) in enumerate(named)]
         self._multi = len(self._opts) > 1
         self._handles: list[Any] = []
+        self._cost = [0.0, -1.0, -1.0, 0]  # see cost(); a list: the hooks update it in place
         for st in self._opts:
             self._handles.append(st.opt.register_step_pre_hook(self._make_hook(st, pre=True)))
             self._handles.append(st.opt.register_step_post_hook(self._make_hook(st, pre=False)))
@@ -533,19 +546,38 @@ class Monitor:
                         self._layer_names.append(names.get(id(p), f"{st.name}.g{gi}.p{pi}"))
 
     def _make_hook(self, st: _OptState, pre: bool):
+        clock = time.perf_counter
+        cost = self._cost  # [seconds in hooks, first hook entry, last hook exit, hook calls]
+
         def hook(optimizer, args, kwargs):
+            t0 = clock()
             if not self.enabled:
                 if pre:  # keep counting updates so that `step` stays the update index
                     self._open_row_if_needed(st)
                     if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
                         st.adam.verified = False
-                return None
-            if pre:
+            elif pre:
                 self._pre(st)
             else:
                 self._post(st)
+            t1 = clock()
+            cost[0] += t1 - t0
+            if cost[1] < 0.0:
+                cost[1] = t0
+            cost[2] = t1
+            cost[3] += 1
             return None
         return hook
+
+    def cost(self) -> MonitorCost:
+        """Wall time this Monitor spent inside its hooks so far, against the wall time since
+        its first hook ran: what it costs *this* training loop. A lower bound: the cache
+        misses it causes the rest of the step are not counted (the end-to-end ratio, Monitor
+        on vs off, is measured by ``benchmarks/telemetry_overhead.py``)."""
+        hook_s, first, last, calls = self._cost
+        span = last - first if first >= 0.0 else 0.0
+        return MonitorCost(hook_s=hook_s, span_s=span, fraction=hook_s / span if span > 0 else _NAN,
+                           updates=self._step + 1, hook_calls=int(calls))
 
     def _open_row_if_needed(self, st: _OptState) -> None:
         if self._step < 0 or st.index in self._stepped:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -495,3 +496,32 @@ def test_last_update_is_the_applied_update():
             for ui, p, w in zip(u, model.parameters(), before, strict=True):
                 assert ui.shape == p.shape
                 torch.testing.assert_close(ui, p.detach() - w)
+
+
+def test_cost_counts_only_time_inside_the_hooks():
+    """cost(): hook calls per optimizer step, updates, and hook time disjoint from the loop's
+    own time (the sleeps between steps lie inside the span, outside every hook)."""
+    a, b, opt_a, opt_b, x, y = two_layer_setup()
+    mon = Monitor({"a": a, "b": b}, {"critic": opt_a, "actor": opt_b})
+    c = mon.cost()
+    assert (c.hook_s, c.span_s, c.updates, c.hook_calls) == (0.0, 0.0, 0, 0) and math.isnan(c.fraction)
+    pause, n = 0.02, 4
+    for i in range(n):
+        if i:
+            time.sleep(pause)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        ((b(a(x)) - y) ** 2).mean().backward()
+        opt_a.step()
+        opt_b.step()
+    mon.enabled = False  # disabled steps still run (cheap) hooks: counted
+    opt_a.step()
+    c = mon.cost()
+    assert c.hook_calls == 4 * n + 2 and c.updates == n + 1
+    assert c.hook_s > 0.0
+    assert c.span_s >= (n - 1) * pause
+    assert c.hook_s <= c.span_s - (n - 1) * pause
+    assert c.fraction == pytest.approx(c.hook_s / c.span_s)
+    mon.close()
+    opt_a.step()  # hooks removed: nothing more counted
+    assert mon.cost().hook_calls == 4 * n + 2
