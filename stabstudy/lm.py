@@ -420,6 +420,14 @@ def _smooth(x: np.ndarray, window: int) -> np.ndarray:
     return pd.Series(x).rolling(window, min_periods=1, center=True).mean().to_numpy()
 
 
+def _smooth_from(x: np.ndarray, start: int, window: int) -> np.ndarray:
+    """``x`` smoothed (centred window) from ``start`` on, raw before it: a centred window
+    reaching across ``start`` would carry the event back into the pre-event baseline."""
+    out = np.array(x, dtype=float)
+    out[start:] = _smooth(out[start:], window)
+    return out
+
+
 def _final(x: np.ndarray) -> float:
     ok = np.flatnonzero(np.isfinite(x))
     return float(x[ok[-1]]) if ok.size else np.nan
@@ -430,8 +438,10 @@ def spike_effects(ds: xr.Dataset, specs: list[RunSpec], smooth: int = 5, abs_tol
     """Per perturbed run, what the event did relative to its unperturbed twin (same seed and data).
 
     ``ds``: :func:`stabstudy.store.load_runs` output (dims run, step). The excess loss
-    ``d(t) = loss_perturbed(t) - loss_twin(t)`` (smoothed over ``smooth`` steps) is 0 before
-    the event because both runs see the same batches. Columns:
+    ``d(t) = loss_perturbed(t) - loss_twin(t)`` is 0 before the event because both runs see
+    the same batches; from the event on it is smoothed over ``smooth`` steps (a centred
+    window within the post-event part only, so that the baseline before the event stays
+    the raw, zero excess). Columns:
 
     * ``peak_excess_loss``: max of ``d`` over ``[start, start + peak_window)`` (nats);
     * ``drawdown``: :func:`stabstudy.events.max_drawdown` of the smoothed perturbed loss
@@ -456,11 +466,11 @@ def spike_effects(ds: xr.Dataset, specs: list[RunSpec], smooth: int = 5, abs_tol
         win = slice(s0, s0 + peak_window)
         loss, twin = _curve(ds, h, "loss"), _curve(ds, r.twin, "loss")
         n = min(len(loss), len(twin))
-        d = _smooth(loss[:n] - twin[:n], smooth)
+        d = _smooth_from(loss[:n] - twin[:n], s0, smooth)
         steps = np.arange(n)
         out = {"spec_hash": h, **r.to_dict()}
         out["peak_excess_loss"] = float(np.nanmax(d[win])) if np.isfinite(d[win]).any() else np.nan
-        out["drawdown"] = float(events.max_drawdown(_smooth(loss[:n], smooth), steps, start=s0, higher_is_better=False))
+        out["drawdown"] = float(events.max_drawdown(_smooth_from(loss[:n], s0, smooth), steps, start=s0, higher_is_better=False))
         out["recovery_steps"] = float(events.recovery_time(d, s0, steps, abs_tol=abs_tol, higher_is_better=False))
         out["final_damage"] = _final(_curve(ds, h, "val_loss")) - _final(_curve(ds, r.twin, "val_loss"))
         for ch, name in (("grad_norm", "grad_norm_ratio"), ("update_ratio", "update_ratio_ratio"),

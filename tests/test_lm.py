@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xarray as xr
 
 from stabstudy import lm
 from stabstudy.runner import run_grid
@@ -140,3 +141,24 @@ def test_lr_sensitivity_definition():
 def test_grad_scaler_with_float16_parameters_is_a_clear_error():
     with pytest.raises(ValueError, match="GradScaler"):
         lm.run(spec(steps=5, param_dtype="float16", grad_scaler=True))
+
+
+def test_spike_effects_recovery_baseline_is_not_smeared_by_the_event():
+    """A centred smoothing window must not carry the spike into the pre-event baseline:
+    synthetic twin pair, +3 nats at the outlier step, then an excess 0.6 * 0.8^k."""
+    steps, s0 = 60, 20
+    twin = lm.base_spec(steps, 0)
+    pert = lm.base_spec(steps, 0, perturbations=(Perturbation("outlier_batch", s0, 1, dose=1.0),))
+    base = 3.0 - np.linspace(0, 1, steps)
+    lp = base.copy()
+    lp[s0] += 3.0
+    lp[s0 + 1:] += 0.6 * 0.8 ** np.arange(steps - s0 - 1)
+    data = {"loss": (("run", "step"), np.vstack([lp, base]))}
+    for ch in ("val_loss", "grad_norm", "update_ratio", "adam_v_mean", "xgrad", "attn_logit_max"):
+        data[ch] = (("run", "step"), np.ones((2, steps)))
+    ds = xr.Dataset(data, coords={"run": [pert.spec_hash, twin.spec_hash], "step": np.arange(steps)})
+    row = lm.spike_effects(ds, [twin, pert], smooth=5, abs_tol=0.05).iloc[0]
+    # excess <= 0.05 from k = 12 (0.6 * 0.8^12 = 0.041), i.e. step s0 + 13; smoothing shifts it by
+    # at most half a window
+    assert 11 <= row.recovery_steps <= 16
+    assert row.peak_excess_loss > 0.6
