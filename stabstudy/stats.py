@@ -109,8 +109,9 @@ def iqm_ci(
         seed: random state of the bootstrap.
 
     Returns:
-        ``{algorithm: (iqm, ci_low, ci_high)}``; CI = (iqm, iqm) when there is a
-        single run (nothing to resample).
+        ``{algorithm: (iqm, ci_low, ci_high)}``; CI = (iqm, iqm) when no task has two
+        finite runs (nothing to resample). NaN scores (failed runs) are left out; a task
+        left with one run enters every resample with that run.
     """
     out = {}
     for name, arr in scores.items():
@@ -123,12 +124,17 @@ def iqm_ci(
             out[name] = (math.nan, math.nan, math.nan)
             continue
         point = iqm(np.concatenate(cols))
-        if max(c.size for c in cols) < 2:
+        # a task with one finite run (the others failed) resamples to itself: it enters every
+        # resample as a constant (scipy's bootstrap needs two observations per sample)
+        fixed = np.concatenate([c for c in cols if c.size == 1] or [np.empty(0)])
+        cols = [c for c in cols if c.size >= 2]
+        if not cols:
             out[name] = (point, point, point)
             continue
 
-        def stat(*samples, axis=-1):
-            return sps.trim_mean(np.concatenate(samples, axis=axis), 0.25, axis=axis)
+        def stat(*samples, axis=-1, fixed=fixed):
+            const = np.broadcast_to(fixed, samples[0].shape[:-1] + fixed.shape)
+            return sps.trim_mean(np.concatenate([*samples, const], axis=-1), 0.25, axis=-1)
 
         res = sps.bootstrap(tuple(cols), stat, n_resamples=reps, confidence_level=confidence,
                             method="percentile", paired=False, vectorized=True,

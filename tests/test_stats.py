@@ -27,6 +27,13 @@ def test_iqm_and_bootstrap_ci():
     assert lo < res["a"][0] < hi and 9 < lo and hi < 11
     assert res["b"][1] < 0 < res["b"][2]
     assert res["one"] == (5.0, 5.0, 5.0)
+    # a task left with one finite run (the others failed) is a constant in every resample
+    mixed = np.array([[1.0, 5.0], [2.0, np.nan], [3.0, np.nan], [4.0, np.nan]])
+    point, lo, hi = stats.iqm_ci({"m": mixed}, reps=500)["m"]
+    assert point == stats.iqm([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert lo < point < hi and 1.0 <= lo and hi <= 5.0
+    # with the constant 5.0 in every resample, the IQM of {x1..x4, 5} never falls below IQM(1,1,1,1,5)
+    assert lo >= stats.iqm([1.0, 1.0, 1.0, 1.0, 5.0])
     # deterministic given the seed
     assert stats.iqm_ci({"a": np.arange(10.0)}, reps=200, seed=1) == stats.iqm_ci({"a": np.arange(10.0)}, reps=200, seed=1)
 
