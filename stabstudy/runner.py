@@ -192,10 +192,11 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
     atomically), so calling again resumes.
     """
     store = store or RunStore()
-    specs = list({s.spec_hash: s for s in specs}.values())
+    specs = list(specs)
     for s in specs:
         if not isinstance(s, RunSpec):
             raise TypeError(f"run_grid takes RunSpec objects, got {type(s).__name__}")
+    specs = list({s.spec_hash: s for s in specs}.values())
     statuses: dict[str, str | None] = {}
     todo = {s.spec_hash for s in pending(specs, store, retry_failed, statuses)}
     records: dict[str, RunRecord] = {}

@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from stabstudy.perturb import KINDS, check_kind
 
 #: Valid learners per domain.
@@ -40,7 +42,9 @@ def _freeze(value: Any, where: str) -> Any:
         return value
     if isinstance(value, list | tuple):
         return tuple(_freeze(v, where) for v in value)
-    if hasattr(value, "item") and callable(value.item):  # numpy scalar
+    if isinstance(value, np.ndarray):  # a sequence, whatever its size (.item() would unwrap [64])
+        return _freeze(value.tolist(), where)
+    if isinstance(value, np.generic):  # numpy scalar
         return _freeze(value.item(), where)
     raise TypeError(f"{where}: hyperparameter values must be str/int/float/bool/None or sequences of them, got {type(value).__name__}")
 
@@ -110,9 +114,12 @@ class Perturbation:
                    dose=float(d.get("dose", 1.0)), params=d.get("params", {}))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RunSpec:
     """Everything that determines one run.
+
+    Two specs are equal when their :attr:`spec_hash` is: Python's ``1 == 1.0 == True``
+    would otherwise make specs equal that the store keeps (and runs) apart.
 
     Attributes:
         domain: ``"toy"``, ``"rl"`` or ``"lm"``.
@@ -188,6 +195,12 @@ class RunSpec:
     def get(self, name: str, default: Any = None) -> Any:
         """One hyperparameter, with a default."""
         return self.hp.get(name, default)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunSpec) and other._hash == self._hash
+
+    def __hash__(self) -> int:
+        return hash(self._hash)
 
     @property
     def spec_hash(self) -> str:

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import subprocess
-import tempfile
+import uuid
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -146,8 +146,10 @@ class RunStore:
             var.attrs = _clean_attrs(var.attrs)
         target = self.path(spec)
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{spec.spec_hash}.", suffix=".nc.tmp", dir=target.parent)
-        os.close(fd)
+        # not mkstemp: its files are private (0600); created like this the run gets the mode of a
+        # plain write (0666 less the umask), so that a store shared by a group stays readable
+        tmp = str(target.parent / f".{spec.spec_hash}.{uuid.uuid4().hex}.nc.tmp")
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
         try:
             ds.to_netcdf(tmp, engine=ENGINE)
             os.replace(tmp, target)
@@ -239,6 +241,7 @@ def load_runs(specs: Iterable[RunSpec], store: RunStore | None = None, *, includ
     store = store or RunStore()
     specs = list(dict.fromkeys(specs))
     loaded: list[tuple[xr.Dataset, dict]] = []
+    failed = 0
     for spec in specs:
         try:
             ds = store.load(spec)
@@ -247,11 +250,16 @@ def load_runs(specs: Iterable[RunSpec], store: RunStore | None = None, *, includ
                 continue
             raise
         if ds.attrs["status"] == "failed" and not include_failed:
+            failed += 1
             continue
         coords = run_coords(spec)
         coords["status"] = ds.attrs["status"]
         loaded.append((ds, coords))
     if not loaded:
+        if failed:
+            raise ValueError(f"load_runs: every stored run of the given specs failed ({failed} of {len(specs)}; "
+                             "the rest not stored); pass include_failed=True to load them with their errors, "
+                             "or rerun them with run_grid(..., retry_failed=True)")
         raise ValueError("load_runs: none of the given specs is stored; run them with run_grid first")
     # Hyperparameters absent from some specs become NaN there, so every run has every coordinate.
     keys = list(dict.fromkeys(k for _, c in loaded for k in c))

@@ -112,3 +112,8 @@ def test_runs_of_another_results_version_are_recomputed(tmp_store, monkeypatch, 
     assert not rec.cached and "results version" in capsys.readouterr().out
     assert tmp_store.load(s).attrs["results_version"] == toy_learner.RESULTS_VERSION
     assert run_grid([s], scheduler="serial", store=tmp_store, progress=False)[0].cached
+
+
+def test_grid_of_non_specs_is_a_clear_error(tmp_store):
+    with pytest.raises(TypeError, match="run_grid takes RunSpec objects, got dict"):
+        run_grid([{"domain": "toy"}], scheduler="serial", store=tmp_store, progress=False)

@@ -1,5 +1,6 @@
 import pickle
 
+import numpy as np
 import pytest
 
 from stabstudy.perturb import KINDS, Schedule, check_kind
@@ -25,6 +26,23 @@ def test_hash_is_stable_and_content_keyed():
     # the hash is of the canonical JSON, so it survives a round trip and pickling (Dask)
     assert RunSpec.from_json(a.to_json()) == a
     assert pickle.loads(pickle.dumps(a)).spec_hash == a.spec_hash
+
+
+def test_equality_follows_the_hash():
+    """1 == 1.0 == True in Python, but the canonical JSON (and so the store) tells them apart:
+    equal specs must be the ones the store treats as one run."""
+    ints, floats, bools = (spec(hparams={"lr": v}) for v in (1, 1.0, True))
+    assert len({ints.spec_hash, floats.spec_hash, bools.spec_hash}) == 3
+    assert ints != floats and floats != bools and len({ints, floats, bools}) == 3
+    assert spec() == spec() and len({spec(), spec()}) == 1
+    assert spec() != spec().to_dict()
+
+
+def test_numpy_hyperparameters():
+    assert spec(hparams={"net": np.array([64, 64])}).hp["net"] == [64, 64]
+    assert spec(hparams={"net": np.array([64])}).hp["net"] == [64]  # a one-layer list stays a list
+    assert spec(hparams={"lr": np.float32(0.5), "n": np.int64(3)}).hp == {"lr": 0.5, "n": 3}
+    assert spec(hparams={"net": np.array([64, 64])}) == spec(hparams={"net": [64, 64]})
 
 
 def test_hash_is_pinned():

@@ -78,6 +78,31 @@ def test_failed_record(tmp_store):
     assert ds.sizes["step"] == 0
 
 
+def test_stored_runs_get_the_mode_of_a_plain_write(tmp_store):
+    old = os.umask(0o027)
+    try:
+        path = tmp_store.save(trajectory(), toy_spec(), "ok", 0.0)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o640  # 0666 less the umask; not mkstemp's private 0600
+
+
+def test_load_runs_with_only_failed_runs_says_so(tmp_store):
+    s = toy_spec()
+    tmp_store.save_failed(s, "boom", 0.1)
+    with pytest.raises(ValueError, match="every stored run of the given specs failed.*include_failed=True"):
+        load_runs([s], store=tmp_store, include_failed=False)
+    assert load_runs([s], store=tmp_store).sizes["run"] == 1
+
+
+def test_load_runs_keeps_specs_apart_that_the_store_keeps_apart(tmp_store):
+    """lr=1 and lr=1.0 are equal in Python but two specs (two hashes, two files): two runs."""
+    a, b = toy_spec(lr=1), toy_spec(lr=1.0)
+    tmp_store.save(trajectory(), a, "ok", 0.0)
+    tmp_store.save(trajectory(), b, "ok", 0.0)
+    assert load_runs([a, b], store=tmp_store).sizes["run"] == 2
+
+
 def test_load_runs_aligns_runs_and_grid_coords(tmp_store):
     a = toy_spec(seed=0)
     b = RunSpec("toy", "adam", "digits", 15, 1, {"lr": 0.1, "beta2": 0.95},
