@@ -27,7 +27,7 @@ import xarray as xr
 from tqdm.auto import tqdm
 
 from stabstudy.spec import RunSpec
-from stabstudy.store import CorruptRunError, RunStore
+from stabstudy.store import CorruptRunError, RunStore, code_identity
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,15 @@ def execute(spec: RunSpec, threads: int | None = None) -> tuple[xr.Dataset | Non
         return None, "failed", traceback.format_exc(), time.perf_counter() - t0
 
 
-def _worker_task(spec: RunSpec) -> tuple[xr.Dataset | None, str, str, float]:
-    return execute(spec, threads=1)
+def made_by(domain: str) -> dict:
+    """What a stored run records of the code that produced it: :func:`stabstudy.store.code_identity`
+    and the learner's :func:`results_version`, read where the run executes (a worker's code may
+    differ from the client's)."""
+    return {**code_identity(), "results_version": results_version(domain)}
+
+
+def _worker_task(spec: RunSpec) -> tuple[tuple[xr.Dataset | None, str, str, float], dict]:
+    return execute(spec, threads=1), made_by(spec.domain)
 
 
 def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False,
@@ -163,15 +170,18 @@ def close_clients() -> None:
     _CLUSTERS.clear()
 
 
-def _store_result(store: RunStore, spec: RunSpec, result: tuple) -> RunRecord:
+def _store_result(store: RunStore, spec: RunSpec, result: tuple, producer: dict | None = None) -> RunRecord:
+    """Store ``execute``'s result; ``producer``: :func:`made_by` where the run executed (default: here)."""
     ds, status, error, wall = result
-    version = {"results_version": results_version(spec.domain)}
+    producer = producer or made_by(spec.domain)
+    version = {"results_version": producer["results_version"]}
+    code = {k: v for k, v in producer.items() if k != "results_version"}
     if status == "failed":
-        store.save_failed(spec, error, wall, extra_attrs=version)
+        store.save_failed(spec, error, wall, extra_attrs=version, made_by=code)
         print(f"stabstudy: run {spec.label} failed; traceback stored in {store.path(spec).name}:\n"
               + error.strip().splitlines()[-1])
     else:
-        store.save(ds, spec, status, wall, extra_attrs=version)
+        store.save(ds, spec, status, wall, extra_attrs=version, made_by=code)
     return RunRecord(spec, status, False, wall, error)
 
 
@@ -221,10 +231,10 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
                 for fut in as_completed(futures):
                     s = futures[fut]
                     try:
-                        result = fut.result()
+                        result, producer = fut.result()
                     except Exception:  # a worker died (e.g. out of memory): record, go on
-                        result = (None, "failed", traceback.format_exc(), float("nan"))
-                    records[s.spec_hash] = _store_result(store, s, result)
+                        result, producer = (None, "failed", traceback.format_exc(), float("nan")), None
+                    records[s.spec_hash] = _store_result(store, s, result, producer)
                     bar.update()
             except BaseException:
                 client.cancel(list(futures))

@@ -103,10 +103,18 @@ def _clean_attrs(attrs: dict) -> dict:
     return out
 
 
-def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "") -> dict:
-    """Provenance attributes of a stored run (DESIGN.md)."""
+def code_identity() -> dict[str, str]:
+    """The code that produces runs in this process: package version, git commit, torch version."""
+    return {"stabstudy_version": __version__, "git_commit": git_commit(), "torch_version": _torch_version()}
+
+
+def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
+               made_by: dict[str, str] | None = None) -> dict:
+    """Provenance attributes of a stored run (DESIGN.md). ``made_by``: the :func:`code_identity`
+    of the process that ran it (a Dask worker's), when not this one."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(STATUSES)}")
+    code = {**code_identity(), **(made_by or {})}
     return {
         "spec": spec.to_json(),
         "spec_hash": spec.spec_hash,
@@ -114,9 +122,9 @@ def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "") 
         "learner": spec.learner,
         "perturbation": json.dumps([p.to_dict() for p in spec.perturbations]),
         "seed": spec.seed,
-        "stabstudy_version": __version__,
-        "git_commit": git_commit(),
-        "torch_version": _torch_version(),
+        "stabstudy_version": code["stabstudy_version"],
+        "git_commit": code["git_commit"],
+        "torch_version": code["torch_version"],
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "wall_time_s": float(wall_time_s),
         "status": status,
@@ -138,10 +146,12 @@ class RunStore:
         return Path(self.root) / f"{h}.nc"
 
     def save(self, ds: xr.Dataset, spec: RunSpec, status: str, wall_time_s: float, error: str = "",
-             extra_attrs: dict | None = None) -> Path:
-        """Write a run atomically: a temporary file in the same folder, then ``os.replace``."""
+             extra_attrs: dict | None = None, made_by: dict[str, str] | None = None) -> Path:
+        """Write a run atomically: a temporary file in the same folder, then ``os.replace``.
+        ``made_by``: see :func:`provenance`."""
         ds = conform(ds, spec) if status != "failed" else ds
-        ds.attrs = _clean_attrs({**ds.attrs, **(extra_attrs or {}), **provenance(spec, status, wall_time_s, error)})
+        ds.attrs = _clean_attrs({**ds.attrs, **(extra_attrs or {}),
+                                 **provenance(spec, status, wall_time_s, error, made_by)})
         for var in ds.variables.values():
             var.attrs = _clean_attrs(var.attrs)
         target = self.path(spec)
@@ -158,10 +168,11 @@ class RunStore:
                 os.unlink(tmp)
         return target
 
-    def save_failed(self, spec: RunSpec, error: str, wall_time_s: float, extra_attrs: dict | None = None) -> Path:
+    def save_failed(self, spec: RunSpec, error: str, wall_time_s: float, extra_attrs: dict | None = None,
+                    made_by: dict[str, str] | None = None) -> Path:
         """Store a run that raised: no steps, its traceback in ``error``."""
         empty = xr.Dataset(coords={"step": np.arange(0)})
-        return self.save(empty, spec, "failed", wall_time_s, error=error, extra_attrs=extra_attrs)
+        return self.save(empty, spec, "failed", wall_time_s, error=error, extra_attrs=extra_attrs, made_by=made_by)
 
     def load(self, spec_or_hash: RunSpec | str) -> xr.Dataset:
         """Load one run fully into memory; raise :class:`CorruptRunError` if unreadable or mismatched."""

@@ -117,3 +117,19 @@ def test_runs_of_another_results_version_are_recomputed(tmp_store, monkeypatch, 
 def test_grid_of_non_specs_is_a_clear_error(tmp_store):
     with pytest.raises(TypeError, match="run_grid takes RunSpec objects, got dict"):
         run_grid([{"domain": "toy"}], scheduler="serial", store=tmp_store, progress=False)
+
+
+def test_stored_provenance_is_the_producing_processes(tmp_store):
+    """A Dask worker's code may differ from the client's: its identity and results version
+    are what the stored run records."""
+    s = toy(5)
+    result, producer = runner._worker_task(s)
+    assert producer == runner.made_by("toy") and set(producer) == {"stabstudy_version", "git_commit",
+                                                                    "torch_version", "results_version"}
+    other = {"stabstudy_version": "9.9", "git_commit": "abc123", "torch_version": "0.0", "results_version": 42}
+    runner._store_result(tmp_store, s, result, other)
+    attrs = tmp_store.load(s).attrs
+    assert (attrs["stabstudy_version"], attrs["git_commit"], attrs["torch_version"], attrs["results_version"]) == \
+        ("9.9", "abc123", "0.0", 42)
+    # and a run stored by another results version is recomputed
+    assert runner.pending([s], tmp_store) == [s]
