@@ -90,7 +90,7 @@ def _stdlib_cached(max_bytes: int) -> bytes:
     return data
 
 
-_MEMO: dict[tuple[str, int, float], Corpus] = {}
+_MEMO: dict[tuple, Corpus] = {}
 
 
 def load_corpus(task: str = "stdlib", max_bytes: int = 1_000_000, val_frac: float = 0.1) -> Corpus:
@@ -99,16 +99,19 @@ def load_corpus(task: str = "stdlib", max_bytes: int = 1_000_000, val_frac: floa
     Raises ``ValueError`` for anything else. ``max_bytes`` caps the size (both kinds);
     the last ``val_frac`` of the bytes is the validation split.
     """
-    key = (task, int(max_bytes), float(val_frac))
+    p = Path(task).expanduser()
+    if task != "stdlib" and not p.is_file():
+        raise ValueError(f"unknown LM task {task!r}: use 'stdlib' (Python standard library sources) "
+                         "or the path of an existing text file")
+    # a file is memoized by what it is now (an edited file is read again), not by its name
+    st = p.stat() if task != "stdlib" else None
+    key = (task if st is None else str(p.resolve()), st and (st.st_mtime_ns, st.st_size),
+           int(max_bytes), float(val_frac))
     if key in _MEMO:
         return _MEMO[key]
     if task == "stdlib":
         data, name = _stdlib_cached(int(max_bytes)), "stdlib"
     else:
-        p = Path(task).expanduser()
-        if not p.is_file():
-            raise ValueError(f"unknown LM task {task!r}: use 'stdlib' (Python standard library sources) "
-                             "or the path of an existing text file")
         data, name = p.read_bytes()[: int(max_bytes)], str(p.resolve())
     if len(data) < 1000:
         raise ValueError(f"corpus {name!r} has only {len(data)} bytes; need at least 1000")

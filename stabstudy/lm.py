@@ -140,6 +140,22 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], devic
     return total / len(batches)
 
 
+def stale(spec: RunSpec, attrs: dict) -> str | None:
+    """Why a stored run of ``spec`` no longer describes it, or None (called by
+    :func:`stabstudy.runner.pending`): a corpus file is named by its path in the spec, so a
+    file edited since the run is caught by its content hash. A file that is gone keeps the run."""
+    if spec.task == "stdlib" or "corpus_sha256" not in attrs:
+        return None
+    hp = hparams(spec)
+    try:
+        now = load_corpus(spec.task, int(hp["corpus_bytes"]), float(hp["val_frac"])).sha256
+    except ValueError:
+        return None
+    if now != attrs["corpus_sha256"]:
+        return f"was trained on another version of the corpus file {spec.task!r} (sha256 {attrs['corpus_sha256'][:12]}, now {now[:12]})"
+    return None
+
+
 def run(spec: RunSpec) -> xr.Dataset:
     """Train a GPT as ``spec`` says; return the per-step Dataset (see module docstring)."""
     hp = hparams(spec)

@@ -106,7 +106,9 @@ def _worker_task(spec: RunSpec) -> tuple[tuple[xr.Dataset | None, str, str, floa
 def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False,
             statuses: dict[str, str | None] | None = None) -> list[RunSpec]:
     """Specs that still need running: absent, corrupt, stored by another
-    :func:`results_version` of their learner, or failed when ``retry_failed``.
+    :func:`results_version` of their learner, stale by the learner module's own
+    ``stale(spec, attrs) -> reason | None`` where it has one (an LM run whose corpus
+    file changed since), or failed when ``retry_failed``.
 
     ``statuses`` (spec hash -> stored status), when given, is filled in so that
     callers need not read the store twice.
@@ -119,10 +121,15 @@ def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = Fals
             st = str(stored.attrs["status"])
             if spec.domain not in versions:
                 versions[spec.domain] = results_version(spec.domain)
+            why = None
             if int(stored.attrs.get("results_version", 1)) != versions[spec.domain]:
-                print(f"stabstudy: stored run {store.path(spec).name} comes from results version "
-                      f"{stored.attrs.get('results_version', 1)} of the {spec.domain} learner (now "
-                      f"{versions[spec.domain]}); recomputing {spec.label}")
+                why = (f"comes from results version {stored.attrs.get('results_version', 1)} of the "
+                       f"{spec.domain} learner (now {versions[spec.domain]})")
+            elif st != "failed":
+                stale = getattr(sys.modules[learner_for(spec.domain).__module__], "stale", None)
+                why = stale(spec, stored.attrs) if stale is not None else None
+            if why:
+                print(f"stabstudy: stored run {store.path(spec).name} {why}; recomputing {spec.label}")
                 st = "stale"
         except FileNotFoundError:
             st = None

@@ -48,6 +48,15 @@ def test_user_text_file_and_unknown_task(tmp_path):
         C.load_corpus("shakespeare_char")
 
 
+def test_edited_file_is_read_again(tmp_path):
+    p = tmp_path / "text.txt"
+    p.write_text("hello world, " * 200)
+    a = C.load_corpus(str(p))
+    p.write_text("other words, " * 300)
+    b = C.load_corpus(str(p))
+    assert b.sha256 != a.sha256 and b.n_bytes == len("other words, ") * 300
+
+
 def test_get_batch_is_seeded_and_shifted():
     data = torch.arange(1000) % 256
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)

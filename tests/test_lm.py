@@ -162,3 +162,19 @@ def test_spike_effects_recovery_baseline_is_not_smeared_by_the_event():
     # at most half a window
     assert 11 <= row.recovery_steps <= 16
     assert row.peak_excess_loss > 0.6
+
+
+def test_run_on_an_edited_corpus_file_is_recomputed(tmp_store, tmp_path, monkeypatch, capsys):
+    from stabstudy import corpus, runner
+
+    monkeypatch.setattr(corpus, "_MEMO", {})
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    spec = lm.base_spec(3, 0, task=str(text), **TINY)
+    run_grid([spec], scheduler="serial", store=tmp_store, progress=False)
+    assert runner.pending([spec], tmp_store) == []
+    text.write_text("a different text, with other bytes in it! " * 200)
+    assert runner.pending([spec], tmp_store) == [spec]
+    assert "another version of the corpus file" in capsys.readouterr().out
+    run_grid([spec], scheduler="serial", store=tmp_store, progress=False)
+    assert runner.pending([spec], tmp_store) == []
