@@ -846,8 +846,7 @@ def eval_curves(ds: xr.Dataset, env_grid: Sequence[int] | None = None) -> xr.Dat
 
 
 def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recover_frac: float = 0.8,
-              window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1,
-              env_grid: Sequence[int] | None = None):
+              window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1):
     """One row per run (pandas DataFrame): learner, perturbation, seed, noise knobs,
     ``pre_return`` (baseline before the perturbation start), ``final_return`` (mean
     of the last ``final_points`` evaluations), ``collapsed`` (:func:`stabstudy.events.collapse`
@@ -859,12 +858,19 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
     and the best evaluation over all runs). Runs without a perturbation use the
     grid's median perturbation start as a pseudo-event (so baselines get a
     collapse rate too). A run with status ``diverged`` counts as collapsed.
+
+    Each run's numbers come from its own evaluations only (its own env steps): on the
+    union grid of all runs, the "last points" before an event or at the end would
+    include copies of its values placed at other runs' env steps, and a run's verdict
+    would depend on which other runs are in ``ds``.
     """
     import pandas as pd
 
     from stabstudy import events, stats
 
-    curves = eval_curves(ds, env_grid)
+    if "run" not in ds.dims:
+        ds = ds.expand_dims(run=[0])
+    curves = eval_curves(ds)
     starts = curves["pert_start"].values.astype(float) if "pert_start" in curves.coords else np.full(curves.sizes["run"], np.nan)
     pseudo = float(np.nanmedian(starts)) if np.isfinite(starts).any() else float(curves.env_step.values[len(curves.env_step) // 2])
     vals = curves.values
@@ -873,7 +879,7 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
         scale = float(np.nanmax(vals) - np.nanmedian(first)) if np.isfinite(vals).any() else 1.0
     rows = []
     for i in range(curves.sizes["run"]):
-        c = curves.isel(run=i).rename(env_step="step")
+        c = eval_curves(ds.isel(run=[i])).isel(run=0).rename(env_step="step")
         ev = starts[i] if np.isfinite(starts[i]) else pseudo
         res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window,
                               min_gain=min_gain_frac * scale)

@@ -4,6 +4,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+import xarray as xr
 
 from stabstudy import rl
 from stabstudy.perturb import Schedule
@@ -180,6 +181,30 @@ def test_grids_and_summary(tmp_path):
     table = rl.summarize(ds)
     assert len(table) == 4 and set(table.learner) == {"ppo", "sac"}
     assert table.stability.between(0, 1).all() and table.collapsed.isin([0.0, 1.0]).all()
+
+
+def test_summary_of_a_run_does_not_depend_on_the_other_runs():
+    """PPO evaluates at rollout ends, SAC / TD3 at t-1: on the union grid a run's 'last points'
+    would include copies of its values at the other runs' env steps."""
+    def ds_of(runs):
+        n = max(len(r[1]) for r in runs)
+        perf, env = np.full((len(runs), n), np.nan), np.full((len(runs), n), np.nan)
+        for i, (_, e, p) in enumerate(runs):
+            env[i, :len(e)], perf[i, :len(p)] = e, p
+        k = len(runs)
+        return xr.Dataset({"perf": (("run", "step"), perf)},
+                          coords={"run": [r[0] for r in runs], "env_step": (("run", "step"), env),
+                                  "learner": ("run", ["sac", "ppo"][:k]), "seed": ("run", [0] * k),
+                                  "pert_kind": ("run", ["lr_spike"] * k), "pert_start": ("run", [2500.0] * k),
+                                  "status": ("run", ["ok"] * k)})
+
+    a = ("A", [0, 999, 1999, 2999, 3999, 4999], [0.0, 100.0, 200.0, 50.0, 60.0, 70.0])
+    b = ("B", [0, 1024, 2048, 3072, 4096, 5120], [0.0, 10.0, 20.0, 30.0, 40.0, 50.0])
+    cols = ["pre_return", "final_return", "collapsed", "min_level", "max_drawdown", "recovery_time", "stability"]
+    alone = rl.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
+    mixed = rl.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
+    assert alone.astype(float).tolist() == mixed.astype(float).tolist()
+    assert alone.pre_return == 100.0 and alone.final_return == 60.0 and alone.collapsed == 0.0  # 50 is not < 0.5 * 100
 
 
 def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scale"), n=4):
