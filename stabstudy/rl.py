@@ -352,6 +352,7 @@ def _build_callback_class():
             self._seen_updates = 0
             self._train_calls = 0
             self._fired: set[int] = set()
+            self._parametric_pending = False  # a weight_noise / reinit_layer since the last update
             self._last_eval_env_step = -1
             self._gen = torch.Generator().manual_seed(self.seed + 7)
             self._applied: dict[tuple[int, int], tuple[float, float]] = {}  # (base lr, lr we wrote)
@@ -406,21 +407,25 @@ def _build_callback_class():
 
         def _count(self, opt, args, kwargs):
             self.n_updates += 1
+            self._parametric_pending = False
 
         # -- per env step -------------------------------------------------------------
         def _on_step(self) -> bool:
             t = self.model.num_timesteps
-            for p in self.schedule.perturbations:
-                if p.kind in ("weight_noise", "reinit_layer") and t >= p.start and id(p) not in self._fired:
-                    self._fired.add(id(p))
-                    self._apply_parametric(p)
             infos = self.locals.get("infos") or ()
             for info in infos:
                 ep = info.get("episode") if isinstance(info, dict) else None
                 if ep is not None:
                     self._ep_sum.setdefault(self.n_updates, []).append(float(ep["r"]))
+            # evaluate before a parametric perturbation of this step: the row is the policy after
+            # n_updates updates, which the perturbation then replaces (see _evaluate)
             if self.eval_every and t % self.eval_every == 0:
                 self._evaluate()
+            for p in self.schedule.perturbations:
+                if p.kind in ("weight_noise", "reinit_layer") and t >= p.start and id(p) not in self._fired:
+                    self._fired.add(id(p))
+                    self._apply_parametric(p)
+                    self._parametric_pending = True
             return not self.diverged
 
         def _apply_parametric(self, p: Perturbation) -> None:
@@ -548,7 +553,12 @@ def _build_callback_class():
 
         # -- evaluation ---------------------------------------------------------------
         def _evaluate(self) -> None:
-            if self.eval_env is None:
+            """Return of the deterministic policy, filed in row ``n_updates`` (the policy after
+            that many updates). Skipped between a ``weight_noise`` / ``reinit_layer`` and the
+            next update: the policy then is not the one of that row (whose env step and
+            ``perturbed`` flag lie before the event); the damage shows from the first
+            evaluation after the next update."""
+            if self.eval_env is None or self._parametric_pending:
                 return
             t = self.model.num_timesteps
             self._last_eval_env_step = t
@@ -727,9 +737,27 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds = cb.to_dataset()
     ds.attrs.update(status="diverged" if cb.diverged else "ok", diverge_reason=cb.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(cb.n_updates), algo=spec.learner,
-                    learner_wall_s=float(time.perf_counter() - t0))
+                    learner_wall_s=float(time.perf_counter() - t0), parametric_eval=PARAMETRIC_EVAL)
     model.env.close()
     return ds
+
+
+#: How evaluations around a ``weight_noise`` / ``reinit_layer`` are filed (stored as the
+#: ``parametric_eval`` attribute). 1: an evaluation between the event and the next update is
+#: skipped (before, it filed the damaged policy's return in the pre-event row). Only runs with
+#: such perturbations are affected, so they alone are recomputed (:func:`stale`), not every
+#: stored RL run as a RESULTS_VERSION bump would.
+PARAMETRIC_EVAL = 1
+
+
+def stale(spec: RunSpec, attrs: dict) -> str | None:
+    """Why a stored run of ``spec`` no longer describes it, or None (see
+    :func:`stabstudy.runner.pending`)."""
+    if any(p.kind in ("weight_noise", "reinit_layer") for p in spec.perturbations) and \
+            int(attrs.get("parametric_eval", 0)) != PARAMETRIC_EVAL:
+        return ("filed an evaluation of the perturbed policy before its weight_noise / reinit_layer event "
+                f"(parametric_eval {attrs.get('parametric_eval', 0)}, now {PARAMETRIC_EVAL})")
+    return None
 
 
 # -- grids -----------------------------------------------------------------------------

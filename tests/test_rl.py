@@ -152,6 +152,21 @@ def test_weight_noise_and_divergence_status():
     assert bad.sizes["step"] >= 1 and "diverge_reason" in bad.attrs
 
 
+def test_parametric_perturbation_is_not_evaluated_into_the_pre_event_row():
+    """An evaluation at the step of a weight_noise comes before the noise (its row is the policy
+    after that many updates); rows before the event read as in the unperturbed twin."""
+    base = RunSpec("rl", "sac", "Pendulum-v1", 300, 0, hparams=TINY["sac"], eval_every=100)
+    pert = base.replace(perturbations=(Perturbation("weight_noise", 200, 1, 3.0),))
+    a, b = rl.run(base), rl.run(pert)
+    before = lambda ds: ds.perf.values[(ds.env_step.values < 200) & np.isfinite(ds.perf.values)]  # noqa: E731
+    assert before(a).size >= 2
+    np.testing.assert_array_equal(before(a), before(b))
+    assert b.attrs["parametric_eval"] == rl.PARAMETRIC_EVAL
+    # runs stored before this rule are recomputed, runs without such an event are not
+    assert rl.stale(pert, {**b.attrs, "parametric_eval": 0}) is not None
+    assert rl.stale(pert, b.attrs) is None and rl.stale(base, {}) is None
+
+
 def test_unknown_env_and_hparam_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown gymnasium environment"):
         rl.run(RunSpec("rl", "sac", "NoSuchEnv-v0", 100, 0))
