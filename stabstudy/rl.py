@@ -630,9 +630,14 @@ def _build_callback_class():
             idx = np.minimum(np.searchsorted(ends, steps_arr, side="left"), len(ends) - 1)
             env = envs[idx]
             ds = ds.assign_coords(env_step=("step", env.astype(np.int64)))
+            # rollout that update round's train() consumed (on-policy): env steps (prev, env]
+            prev = np.where(idx > 0, envs[np.maximum(idx - 1, 0)], env)
             mask = np.zeros(env.size)
             for p in self.schedule.perturbations:
-                mask[(env >= p.start) & (env < p.end)] = 1.0
+                if getattr(self, "on_policy", False) and p.kind in ROLLOUT_FLAGGED:
+                    mask[(idx > 0) & (p.start <= env) & (p.end > prev + 1)] = 1.0
+                else:
+                    mask[(env >= p.start) & (env < p.end)] = 1.0
             ds["perturbed"] = ("step", mask)
             ds["intervened"] = ("step", np.zeros(ds.sizes["step"]))
             ds["step"].attrs["long_name"] = "gradient updates completed"
@@ -737,26 +742,31 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds = cb.to_dataset()
     ds.attrs.update(status="diverged" if cb.diverged else "ok", diverge_reason=cb.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(cb.n_updates), algo=spec.learner,
-                    learner_wall_s=float(time.perf_counter() - t0), parametric_eval=PARAMETRIC_EVAL)
+                    learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS)
     model.env.close()
     return ds
 
 
-#: How evaluations around a ``weight_noise`` / ``reinit_layer`` are filed (stored as the
-#: ``parametric_eval`` attribute). 1: an evaluation between the event and the next update is
-#: skipped (before, it filed the damaged policy's return in the pre-event row). Only runs with
-#: such perturbations are affected, so they alone are recomputed (:func:`stale`), not every
-#: stored RL run as a RESULTS_VERSION bump would.
-PARAMETRIC_EVAL = 1
+#: Version of the bookkeeping of perturbations in the stored rows (the ``perturbation_rows``
+#: attribute), which affects only runs with the kinds in :func:`stale`; they alone are
+#: recomputed, not every stored RL run as a RESULTS_VERSION bump would. 1: an evaluation
+#: between a ``weight_noise`` / ``reinit_layer`` and the next update is skipped (before, it
+#: filed the damaged policy's return in the pre-event row); on-policy rows are flagged
+#: ``perturbed`` when their rollout overlapped an env-side or parametric window (before,
+#: only when the rollout *ended* inside it, so a window within one rollout flagged nothing).
+PERTURBATION_ROWS = 1
+#: kinds whose effect reaches an on-policy update through the rollout it trains on
+ROLLOUT_FLAGGED = ("action_noise", "obs_noise", "reward_scale", "weight_noise", "reinit_layer")
 
 
 def stale(spec: RunSpec, attrs: dict) -> str | None:
     """Why a stored run of ``spec`` no longer describes it, or None (see
     :func:`stabstudy.runner.pending`)."""
-    if any(p.kind in ("weight_noise", "reinit_layer") for p in spec.perturbations) and \
-            int(attrs.get("parametric_eval", 0)) != PARAMETRIC_EVAL:
-        return ("filed an evaluation of the perturbed policy before its weight_noise / reinit_layer event "
-                f"(parametric_eval {attrs.get('parametric_eval', 0)}, now {PARAMETRIC_EVAL})")
+    kinds = {p.kind for p in spec.perturbations}
+    affected = kinds & {"weight_noise", "reinit_layer"} or (spec.learner in ON_POLICY and kinds & set(ROLLOUT_FLAGGED))
+    have = int(attrs.get("perturbation_rows", 0))
+    if affected and have != PERTURBATION_ROWS:
+        return f"keeps the rows of its perturbation by an older rule (perturbation_rows {have}, now {PERTURBATION_ROWS})"
     return None
 
 

@@ -161,10 +161,22 @@ def test_parametric_perturbation_is_not_evaluated_into_the_pre_event_row():
     before = lambda ds: ds.perf.values[(ds.env_step.values < 200) & np.isfinite(ds.perf.values)]  # noqa: E731
     assert before(a).size >= 2
     np.testing.assert_array_equal(before(a), before(b))
-    assert b.attrs["parametric_eval"] == rl.PARAMETRIC_EVAL
+    assert b.attrs["perturbation_rows"] == rl.PERTURBATION_ROWS
     # runs stored before this rule are recomputed, runs without such an event are not
-    assert rl.stale(pert, {**b.attrs, "parametric_eval": 0}) is not None
+    assert rl.stale(pert, {**b.attrs, "perturbation_rows": 0}) is not None
     assert rl.stale(pert, b.attrs) is None and rl.stale(base, {}) is None
+
+
+def test_on_policy_rows_are_flagged_when_their_rollout_overlapped_the_window():
+    """PPO trains at rollout ends (every 64 env steps here): action noise on [70, 100), inside one
+    rollout, perturbs the data of the update round at env step 128, and only that one."""
+    ds = rl.run(spec("ppo", steps=256, perts=(Perturbation("action_noise", 70, 30, 0.5),)))
+    flagged = sorted(set(ds.env_step.values[ds.perturbed.values == 1].tolist()))
+    assert flagged == [128]
+    sac = RunSpec("rl", "sac", "Pendulum-v1", 256, 0, hparams=TINY["sac"],
+                  perturbations=(Perturbation("action_noise", 70, 30, 0.5),))
+    assert rl.stale(sac, {}) is None  # off-policy env-side rows were flagged by env step all along
+    assert rl.stale(spec("ppo", perts=(Perturbation("action_noise", 70, 30, 0.5),)), {}) is not None
 
 
 def test_unknown_env_and_hparam_raise_clear_errors():
