@@ -132,3 +132,19 @@ def test_spike_response_arithmetic():
 def test_lambda_max_check_small():
     c = toy.lambda_max_check(steps=10, width=8, n_train=64, iters=60, tol=1e-6)
     assert c["passed"] and c["rel_error"] < 0.02 and c["n_params"] == 64 * 8 + 8 + 8 * 10 + 10
+
+
+def test_claims_table_needs_three_learning_rates_not_three_runs():
+    import pandas as pd
+
+    dense = {"tolerance": 0.02, "measured": 1.0, "target": 1.0, "rel_error": 0.0, "iters_used": 10, "passed": True}
+    row = lambda lr, seed: {"lr": lr, "seed": seed, "ratio": 1.0, "passed": True}  # noqa: E731
+    adam = pd.DataFrame([row(1e-3, 0)])
+    spike = [{"check": "loss jump", "measured": 2.0, "passed": True}]
+    two_lrs = pd.DataFrame([row(lr, s) for lr in (0.01, 0.02) for s in (0, 1)])  # 4 runs, 2 lrs
+    gd_claim = toy.claims_table(dense, two_lrs, adam, spike).iloc[1]["supported?"]
+    assert gd_claim == "not tested (only 2 learning rate(s))"
+    three = pd.DataFrame([row(lr, 0) for lr in (0.01, 0.02, 0.04)])
+    assert toy.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "yes"
+    three.loc[1, "passed"] = False
+    assert toy.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "no"
