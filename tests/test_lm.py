@@ -178,3 +178,32 @@ def test_run_on_an_edited_corpus_file_is_recomputed(tmp_store, tmp_path, monkeyp
     assert "another version of the corpus file" in capsys.readouterr().out
     run_grid([spec], scheduler="serial", store=tmp_store, progress=False)
     assert runner.pending([spec], tmp_store) == []
+
+
+def test_sharpness_claims_use_adams_preconditioned_threshold():
+    """Adam is judged against (2 + 2 beta1) / ((1 - beta1) lr) on lambda_max(P^-1 H), not raw
+    lambda_max against 2/lr (which Adam trains past)."""
+    import pandas as pd
+
+    twin = lm.base_spec(8, 0, **TINY)
+    spike = lm.base_spec(8, 0, perturbations=(Perturbation("lr_spike", 4, 2, dose=10.0),), **TINY)
+    lr = np.full((2, 8), 1e-2)
+    lr[1, 4:6] = 0.1
+    thr = (2 + 2 * 0.9) / (0.1 * lr)  # 38 / lr
+    pre = 0.5 * thr  # half the threshold ...
+    pre[1, 4:6] = 2.0 * thr[1, 4:6]  # ... except twice it during the spike
+    lam = 10.0 * 2.0 / lr  # raw sharpness 10x past 2/lr everywhere
+    ds = xr.Dataset({"lambda_max": (("run", "step"), lam), "lr": (("run", "step"), lr),
+                     "precond_sharpness": (("run", "step"), pre)},
+                    coords={"run": [twin.spec_hash, spike.spec_hash], "step": np.arange(8)})
+    sharp = lm.sharpness_table(ds, [twin, spike])
+    assert np.allclose(sharp.adam_threshold, 38 / sharp.lr) and np.allclose(sharp.ratio, 10.0)
+    assert np.allclose(sharp[sharp.in_event == 1].precond_ratio, 2.0) and len(sharp[sharp.in_event == 1]) == 2
+    empty = pd.DataFrame()
+    table = lm.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
+    outside = [c for c in table.index if c.startswith("outside spikes")]
+    during = [c for c in table.index if c.startswith("during an LR spike")]
+    assert table[outside[0]] == "yes" and table[during[0]] == "yes"
+    sharp.loc[sharp.in_event == 0, "precond_ratio"] = 1.5  # past Adam's threshold outside spikes
+    table = lm.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
+    assert table[outside[0]] == "no"
