@@ -400,7 +400,9 @@ def _event(spec: RunSpec) -> Perturbation | None:
 
 def _twin_key(spec: RunSpec) -> str:
     background = [p.to_dict() for p in spec.perturbations if p.kind in BACKGROUND_KINDS]
-    return json.dumps([spec.task, spec.steps, spec.seed, spec.hp, background], sort_keys=True)
+    # the cadences too: a twin logged every 5 steps is no step-by-step reference
+    return json.dumps([spec.task, spec.steps, spec.seed, spec.hp, background, spec.log_every, spec.eval_every,
+                       spec.curvature_every], sort_keys=True)
 
 
 def run_table(specs: list[RunSpec]) -> pd.DataFrame:
@@ -409,7 +411,8 @@ def run_table(specs: list[RunSpec]) -> pd.DataFrame:
     Columns: ``seed, lr, beta2, batch_size, variant, event`` (kind of the first
     non-background perturbation or ``"none"``), ``dose, start, duration, noise``
     (``grad_noise`` dose, 0 when none) and ``twin`` (spec_hash of the unperturbed
-    run with the same seed, hyperparameters and background, "" when not in ``specs``).
+    run with the same seed, hyperparameters, background and logging / evaluation /
+    curvature cadences, "" when not in ``specs``).
     """
     rows, twins = [], {}
     for s in specs:

@@ -207,3 +207,12 @@ def test_sharpness_claims_use_adams_preconditioned_threshold():
     sharp.loc[sharp.in_event == 0, "precond_ratio"] = 1.5  # past Adam's threshold outside spikes
     table = lm.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
     assert table[outside[0]] == "no"
+
+
+def test_twin_has_the_same_logging_cadence():
+    event = lm.base_spec(40, 0, perturbations=(Perturbation("lr_spike", 10, 2, dose=10.0),), **TINY)
+    same = lm.base_spec(40, 0, **TINY)
+    sparse = lm.base_spec(40, 0, log_every=5, **TINY)
+    for order in ([sparse, same, event], [same, sparse, event]):
+        assert lm.run_table(order).loc[event.spec_hash, "twin"] == same.spec_hash
+    assert lm.run_table([sparse, event]).loc[event.spec_hash, "twin"] == ""
