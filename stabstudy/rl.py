@@ -945,7 +945,7 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
 
 
 def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
-    """Per group of :func:`summarize` rows: ``n``, IQM of ``pre_return``, ``final_return``,
+    """Per group of :func:`summarize` rows: ``n`` (runs with a collapse verdict), IQM of ``pre_return``, ``final_return``,
     ``stability``, collapse fraction ``p_collapse`` with a Clopper-Pearson 95% CI
     (``p_low``, ``p_high``) and the number of ``diverged`` runs."""
     import pandas as pd
@@ -956,7 +956,9 @@ def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
     for key, g in table.groupby(list(by), sort=True, dropna=False):
         key = key if isinstance(key, tuple) else (key,)
         p, lo, hi = stats.collapse_probability(g["collapsed"].values)
-        rows.append({**dict(zip(by, key, strict=True)), "n": len(g), "pre_return": stats.iqm(g["pre_return"]),
+        # n: runs with a verdict, the denominator of p_collapse (a run without one is NaN there)
+        n = int(np.isfinite(g["collapsed"].to_numpy(float)).sum())
+        rows.append({**dict(zip(by, key, strict=True)), "n": n, "pre_return": stats.iqm(g["pre_return"]),
                      "final_return": stats.iqm(g["final_return"]), "stability": stats.iqm(g["stability"]),
                      "p_collapse": p, "p_low": lo, "p_high": hi,
                      "diverged": int((g.get("status", pd.Series(dtype=str)) == "diverged").sum())})

@@ -266,6 +266,11 @@ def test_claims_table_verdicts_follow_the_data():
         "PPO collapses irreversibly after a single learning-rate spike", "our measurement"]
     g = rl.group_summary(_table(0.5, 0.0))
     assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
+    # a run without a verdict (NaN) is in neither the fraction nor its denominator n
+    t = _table(0.5, 0.0)
+    t.loc[(t.learner == "ppo") & (t.pert_kind == "lr_spike") & (t.seed == 3), "collapsed"] = np.nan
+    row = rl.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
+    assert row.n == 3 and row.p_collapse == pytest.approx(2 / 3)
     per, crit = rl.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"])
     assert set(crit) == {"ppo", "sac", "td3"} and np.isnan(crit["sac"].dose)
 
