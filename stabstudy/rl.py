@@ -742,7 +742,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds = cb.to_dataset()
     ds.attrs.update(status="diverged" if cb.diverged else "ok", diverge_reason=cb.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(cb.n_updates), algo=spec.learner,
-                    learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS)
+                    learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,
+                    monitor_own_steps=MONITOR_OWN_STEPS)
     model.env.close()
     return ds
 
@@ -755,6 +756,10 @@ def run(spec: RunSpec) -> xr.Dataset:
 #: ``perturbed`` when their rollout overlapped an env-side or parametric window (before,
 #: only when the rollout *ended* inside it, so a window within one rollout flagged nothing).
 PERTURBATION_ROWS = 1
+#: 1: the Monitor samples (``every``) and links ``xgrad`` by each optimizer's own steps; before,
+#: by rows, so TD3's delayed actor (every other row) had no ``xgrad_actor`` and, at an even
+#: ``monitor_every``, no measured update at all. Only TD3 runs are affected (:func:`stale`).
+MONITOR_OWN_STEPS = 1
 #: kinds whose effect reaches an on-policy update through the rollout it trains on
 ROLLOUT_FLAGGED = ("action_noise", "obs_noise", "reward_scale", "weight_noise", "reinit_layer")
 
@@ -767,6 +772,8 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
     have = int(attrs.get("perturbation_rows", 0))
     if affected and have != PERTURBATION_ROWS:
         return f"keeps the rows of its perturbation by an older rule (perturbation_rows {have}, now {PERTURBATION_ROWS})"
+    if spec.learner == "td3" and int(attrs.get("monitor_own_steps", 0)) != MONITOR_OWN_STEPS:
+        return "sampled the delayed actor's telemetry by rows, not by its own steps (monitor_own_steps 0)"
     return None
 
 

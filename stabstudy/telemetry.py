@@ -26,7 +26,9 @@ parameters stepped in that row, and every channel is also recorded per optimizer
 as ``<channel>_<name>`` (names: the dict's keys, else ``opt0``, ``opt1``, ...).
 An optimizer that skips rounds (TD3's delayed actor) simply leaves its own
 channels NaN there; the row still exists. ``step`` counts rows (= updates of the
-primary optimizer whenever it steps every round).
+primary optimizer whenever it steps every round). Each optimizer's ``xgrad`` is
+the cosine with *its own* previous gradient, and ``every`` counts each
+optimizer's own steps, so a delayed actor is measured every N of its updates.
 
 Call :meth:`Monitor.log` *after* ``optimizer.step()`` to attach scalars (loss,
 perf, ...) to the step just taken (or pass ``step=mon.step + 1`` to log ahead).
@@ -34,7 +36,7 @@ perf, ...) to the step just taken (or pass ``step=mon.step + 1`` to log ahead).
 Cost
 ----
 With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step; the
-other channels on steps divisible by N (NaN in between). A measured step needs the
+other channels on steps divisible by N (each optimizer's own steps; NaN in between). A measured step needs the
 gradient and the parameters before and after the update, Adam's m and v, and the
 previous step's gradient. On contiguous float32 CPU tensors (``backend="auto"``, the
 default) it takes three passes of the fused C kernels in :mod:`stabstudy.kernels`: one
@@ -216,7 +218,8 @@ class _OptState:
         self.key: tuple[int, ...] = ()
         self.sizes: list[int] = []
         self.slot = 0  # gradient slot of the current step
-        self.prev_step = -10  # row index whose gradient sits in slot 1 - slot
+        self.n = -1  # this optimizer's own step count (rows count rounds; it may skip some)
+        self.prev_step = -10  # own step (``n``) whose gradient sits in slot 1 - slot
         self.prev_g2 = _NAN  # its squared norm
         self.params: list[torch.Tensor] = []
         self.measuring = False
@@ -554,6 +557,7 @@ class Monitor:
             if not self.enabled:
                 if pre:  # keep counting updates so that `step` stays the update index
                     self._open_row_if_needed(st)
+                    st.n += 1  # an unseen step: the next one's previous gradient is unknown
                     if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
                         st.adam.verified = False
             elif pre:
@@ -589,6 +593,10 @@ class Monitor:
         self._open_row_if_needed(st)
         st.order = len(self._stepped) - 1  # 0 for the first optimizer stepping in this row
         s = self._step
+        st.n += 1
+        k = st.n  # this optimizer's own step count: `every` and xgrad follow it, not the row
+        # (TD3's delayed actor steps on every other row: by rows it would never be measured at
+        # an even `every`, and its previous gradient would never be one row back)
         params = st.stepped_params()
         st.params = params
         st.measuring = st.kept = st.fused = False
@@ -602,14 +610,14 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
-        measure = s % self.every == 0
-        keep = not measure and self.every > 1 and (s + 1) % self.every == 0  # for the next step's xgrad
+        measure = k % self.every == 0
+        keep = not measure and self.every > 1 and (k + 1) % self.every == 0  # for the next step's xgrad
         if self._fused_ok(st, params, grads, ids, measure):
             st.fused = True
             self.fused_steps += 1
-            got = self._pre_fused(st, s, measure, keep)
+            got = self._pre_fused(st, k, measure, keep)
         else:
-            got = self._pre_torch(st, s, params, grads, ids, measure, keep)
+            got = self._pre_torch(st, k, params, grads, ids, measure, keep)
         if got is not None:  # a step that reads only the gradient: its row is complete already
             g2, layer_g = got
             rec, b = self._row_fields(st, s)
@@ -641,14 +649,14 @@ class Monitor:
                                "that are not contiguous float32 CPU tensors; use backend='auto' or 'torch'")
         return False
 
-    def _pre_fused(self, st: _OptState, s: int, measure: bool,
+    def _pre_fused(self, st: _OptState, k: int, measure: bool,
                    keep: bool) -> tuple[float, list[float] | None] | None:
-        """The gradient pass; returns (||g||^2, per-tensor norms | None) where the step reads
-        nothing else, None for a measured step (finished by the post-hook)."""
+        """The gradient pass of this optimizer's step ``k``; returns (||g||^2, per-tensor norms | None)
+        where the step reads nothing else, None for a measured step (finished by the post-hook)."""
         K, a, n = self._kernels, st.addr, len(st.sizes)
         g_at = st.gptr.buffer_info()[0]
         if measure:
-            gprev = st.row_addr[1 - st.slot] if st.prev_step == s - 1 else None
+            gprev = st.row_addr[1 - st.slot] if st.prev_step == k - 1 else None
             K.grad(n, g_at, a["lens"], st.row_addr[st.slot], gprev, st.wptr.buffer_info()[0], st.row_addr[2],
                    a["out_g"])
             st.measuring = True
@@ -657,11 +665,11 @@ class Monitor:
         layer_g = [math.sqrt(x) for x in st.out_g[0:3 * n:3]] if self.per_layer else None
         if keep:
             st.kept = True
-            st.prev_step = s
+            st.prev_step = k
             st.slot = 1 - st.slot
         return st.out_g[3 * n], layer_g
 
-    def _pre_torch(self, st: _OptState, s: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+    def _pre_torch(self, st: _OptState, k: int, params: list[torch.Tensor], grads: list[torch.Tensor],
                    ids: tuple[int, ...], measure: bool, keep: bool) -> tuple[float, list[float] | None] | None:
         """As :meth:`_pre_fused`, by torch ops."""
         if not measure and not keep:
@@ -675,7 +683,7 @@ class Monitor:
             if measure:
                 g, out = st.buf[st.slot], st.out
                 torch.dot(g, g, out=out[_G2])
-                if st.prev_step == s - 1:
+                if st.prev_step == k - 1:
                     torch.dot(g, st.buf[1 - st.slot], out=out[_GPG])
                 torch._foreach_copy_(st.rows[2], params)  # w_before
                 w = st.buf[2]
@@ -687,7 +695,7 @@ class Monitor:
             g = st.buf[st.slot]
             g2 = float(g.dot(g).item())
             st.kept = True
-            st.prev_step = s
+            st.prev_step = k
             st.slot = 1 - st.slot
             return g2, (_grad_norms(grads).tolist() if self.per_layer else None)
 
@@ -701,7 +709,7 @@ class Monitor:
         g2, gpg, w2, u2, nug, adam, layer = measured(st, params)
         rec[b + _F_KIND] = _K_FULL
         rec[b + _F_G2], rec[b + _F_GP2], rec[b + _F_GPG], rec[b + _F_W2] = g2, st.prev_g2, gpg, w2
-        rec[b + _F_U2], rec[b + _F_UG], rec[b + _F_PREV] = u2, -nug, 1.0 if st.prev_step == s - 1 else 0.0
+        rec[b + _F_U2], rec[b + _F_UG], rec[b + _F_PREV] = u2, -nug, 1.0 if st.prev_step == st.n - 1 else 0.0
         if layer is not None:
             g_l, u_l, w_l = layer
             ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
@@ -711,7 +719,7 @@ class Monitor:
             rec[b + _F_KIND] = _K_ADAM
             rec[b + _F_M2], rec[b + _F_VSUM], rec[b + _F_NBELOW] = m2 / bc1**2, vsum / bc2, nbelow
             rec[b + _F_N] = float(st.buf.shape[1])
-        st.prev_step = s
+        st.prev_step = st.n
         st.prev_g2 = g2
         st.last_measured = s
         st.params_at_measure = params

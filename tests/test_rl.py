@@ -165,6 +165,8 @@ def test_parametric_perturbation_is_not_evaluated_into_the_pre_event_row():
     # runs stored before this rule are recomputed, runs without such an event are not
     assert rl.stale(pert, {**b.attrs, "perturbation_rows": 0}) is not None
     assert rl.stale(pert, b.attrs) is None and rl.stale(base, {}) is None
+    td3 = base.replace(learner="td3")
+    assert rl.stale(td3, {}) is not None and rl.stale(td3, {"monitor_own_steps": rl.MONITOR_OWN_STEPS}) is None
 
 
 def test_on_policy_rows_are_flagged_when_their_rollout_overlapped_the_window():

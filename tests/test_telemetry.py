@@ -525,3 +525,26 @@ def test_cost_counts_only_time_inside_the_hooks():
     mon.close()
     opt_a.step()  # hooks removed: nothing more counted
     assert mon.cost().hook_calls == 4 * n + 2
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_delayed_optimizer_is_sampled_and_linked_by_its_own_steps(backend, every):
+    """TD3's actor steps on every other round: `every` and xgrad follow its own steps (a Monitor
+    attached to the actor alone is the reference), not the row index."""
+    a, b, opt_a, opt_b, x, y = two_layer_setup()
+    both = Monitor({"a": a, "b": b}, {"critic": opt_a, "actor": opt_b}, every=every, backend=backend)
+    alone = Monitor(b, opt_b, every=every, backend=backend)
+    for it in range(8):
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        ((b(a(x)) - y) ** 2).mean().backward()
+        opt_a.step()
+        if it % 2 == 1:
+            opt_b.step()
+    ds, ref = both.to_dataset(), alone.to_dataset()
+    for ch in ("update_norm", "xgrad", "adam_m_norm", "grad_norm"):
+        got = ds[f"{ch}_actor"].values[1::2]  # the actor's rows
+        np.testing.assert_allclose(got, ref[ch].values, rtol=1e-5, equal_nan=True, err_msg=ch)
+    assert np.isfinite(ds["xgrad_actor"].values[1::2][every::every]).all()  # linked to its own previous step
+    assert np.isfinite(ds["update_norm_actor"].values[1::2][::every]).all()
