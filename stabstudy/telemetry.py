@@ -867,8 +867,16 @@ class _AdamCache:
             return False
         if not self.ok:
             return True
-        sp = opt.state.get(self.params[0])
-        return bool(sp) and sp.get("exp_avg") is self.first_m
+        # every entry, not only the first: resetting one parameter's moments (``del opt.state[p]``,
+        # re-initialised layers) keeps the dict's size once the next step re-creates them
+        state = opt.state
+        for p, m, v, t in zip(self.params, self.ms, self.vs, self.steps, strict=True):
+            sp = state.get(p)
+            if sp is None or sp.get("exp_avg") is not m or sp.get("exp_avg_sq") is not v:
+                return False
+            if t is not None and sp.get("step") is not t:
+                return False
+        return True
 
     def _count(self, opt: torch.optim.Optimizer, j: int) -> float:
         t = self.steps[j]

@@ -408,6 +408,33 @@ def test_adam_state_replaced_by_load_state_dict():
     assert float(ds.adam_v_mean[-1]) == pytest.approx(v_mean, rel=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+@pytest.mark.parametrize("reset", ["delete", "replace"])
+def test_adam_state_of_one_parameter_reset(backend, reset):
+    """Resetting one parameter's moments (a re-initialised layer) keeps the state dict's size:
+    the Monitor must still read the new tensors and step count."""
+    torch.manual_seed(6)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.05, eps=1e-3)
+    mon = Monitor(model, opt, backend=backend)
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    for i in range(6):
+        if i == 3:
+            w = model[2].weight
+            if reset == "delete":
+                del opt.state[w]
+            else:
+                opt.state[w]["exp_avg"] = torch.zeros_like(w)
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        m_norm, v_mean, frac = _adam_expected(opt)
+        row = mon.row()
+        assert row["adam_m_norm"] == pytest.approx(m_norm, rel=1e-5), i
+        assert row["adam_v_mean"] == pytest.approx(v_mean, rel=1e-5), i
+        assert row["adam_eps_frac"] == pytest.approx(frac), i
+
+
 def test_rows_after_storage_grows_match_live_rows():
     """Storage grows by doubling (64 rows first): values read live with row() right after each
     step equal what to_dataset returns at the end, with two optimizers stepping in turn."""
