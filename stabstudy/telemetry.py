@@ -221,6 +221,9 @@ class _OptState:
         self.n = -1  # this optimizer's own step count (rows count rounds; it may skip some)
         self.prev_step = -10  # own step (``n``) whose gradient sits in slot 1 - slot
         self.prev_g2 = _NAN  # its squared norm
+        # loss scale of this step's / that gradient (GradScaler with an optimizer that unscales
+        # inside its step, e.g. fused Adam: the hooks see scaled gradients)
+        self.gscale = self.prev_gscale = 1.0
         self.params: list[torch.Tensor] = []
         self.measuring = False
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
@@ -269,6 +272,14 @@ class _OptState:
 
 
 _F32 = torch.float32
+
+
+def _grad_scale(opt: torch.optim.Optimizer) -> float:
+    """The factor the gradients the optimizer is about to see are scaled by: ``torch.amp.GradScaler``
+    leaves them scaled for optimizers that unscale inside ``step`` (``_step_supports_amp_scaling``,
+    e.g. ``fused=True`` Adam) and sets ``opt.grad_scale`` (None once ``unscale_`` ran) for that step."""
+    s = getattr(opt, "grad_scale", None)
+    return 1.0 if s is None else _as_float(s)
 
 
 def _grad_norms(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -610,6 +621,7 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
+        st.gscale = _grad_scale(st.opt)
         measure = k % self.every == 0
         keep = not measure and self.every > 1 and (k + 1) % self.every == 0  # for the next step's xgrad
         if self._fused_ok(st, params, grads, ids, measure):
@@ -620,12 +632,15 @@ class Monitor:
             got = self._pre_torch(st, k, params, grads, ids, measure, keep)
         if got is not None:  # a step that reads only the gradient: its row is complete already
             g2, layer_g = got
+            if st.gscale != 1.0:
+                g2 /= st.gscale**2
+                layer_g = [x / st.gscale for x in layer_g] if layer_g is not None else None
             rec, b = self._row_fields(st, s)
             rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, g2
             if self.per_layer:
                 self._store_layers(s, params, layer_g, None)
             if st.kept:
-                st.prev_g2 = g2
+                st.prev_g2, st.prev_gscale = g2, st.gscale
 
     def _row_fields(self, st: _OptState, s: int) -> tuple[memoryview, int]:
         """The stats table (flat) and where ``st``'s fields of row ``s`` start, with the fields
@@ -707,6 +722,10 @@ class Monitor:
         rec, b = self._row_fields(st, s)
         measured = self._measured_fused if st.fused else self._measured_torch
         g2, gpg, w2, u2, nug, adam, layer = measured(st, params)
+        if st.gscale != 1.0 or st.prev_gscale != 1.0:  # statistics of the true gradient
+            g2, gpg, nug = g2 / st.gscale**2, gpg / (st.gscale * st.prev_gscale), nug / st.gscale
+            if layer is not None:
+                layer = ([x / st.gscale for x in layer[0]], *layer[1:])
         rec[b + _F_KIND] = _K_FULL
         rec[b + _F_G2], rec[b + _F_GP2], rec[b + _F_GPG], rec[b + _F_W2] = g2, st.prev_g2, gpg, w2
         rec[b + _F_U2], rec[b + _F_UG], rec[b + _F_PREV] = u2, -nug, 1.0 if st.prev_step == st.n - 1 else 0.0
@@ -720,7 +739,7 @@ class Monitor:
             rec[b + _F_M2], rec[b + _F_VSUM], rec[b + _F_NBELOW] = m2 / bc1**2, vsum / bc2, nbelow
             rec[b + _F_N] = float(st.buf.shape[1])
         st.prev_step = st.n
-        st.prev_g2 = g2
+        st.prev_g2, st.prev_gscale = g2, st.gscale
         st.last_measured = s
         st.params_at_measure = params
         st.slot = 1 - st.slot

@@ -575,3 +575,27 @@ def test_delayed_optimizer_is_sampled_and_linked_by_its_own_steps(backend, every
         np.testing.assert_allclose(got, ref[ch].values, rtol=1e-5, equal_nan=True, err_msg=ch)
     assert np.isfinite(ds["xgrad_actor"].values[1::2][every::every]).all()  # linked to its own previous step
     assert np.isfinite(ds["update_norm_actor"].values[1::2][::every]).all()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_grad_scaler_with_an_optimizer_that_unscales_inside_step(every):
+    """GradScaler leaves the gradients scaled for fused Adam (it unscales inside its step and
+    sets opt.grad_scale): the channels must be those of the true gradient, as with plain Adam."""
+    rows = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+        mon = Monitor(model, opt, every=every, per_layer=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        for _ in range(5):
+            opt.zero_grad()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+        rows[fused] = mon.to_dataset()
+    for ch in ("grad_norm", "xgrad", "update_norm", "update_grad_cos", "adam_m_norm", "layer_grad_norm"):
+        np.testing.assert_allclose(rows[True][ch].values, rows[False][ch].values, rtol=1e-4, equal_nan=True,
+                                   err_msg=ch)
+    assert np.isfinite(rows[True]["xgrad"].values[every::every]).all()
