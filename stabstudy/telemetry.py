@@ -248,11 +248,13 @@ class _OptState:
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
 
-    def prepare(self, params: list[torch.Tensor], key: tuple[int, ...]) -> None:
+    def prepare(self, params: list[torch.Tensor], key: tuple[int, ...], sizes: bool = False) -> None:
         """(Re)build the buffers when the set of stepped parameters (``key``: their ids) or
-        their device changes."""
+        their device changes, or with ``sizes`` when a parameter's size changed (``p.data``
+        replaced by a tensor of another shape; the fused path checks sizes itself)."""
         p0, buf = params[0], self.buf
-        if key == self.key and buf is not None and (buf.is_cpu if p0.is_cpu else buf.device == p0.device):
+        if key == self.key and buf is not None and (buf.is_cpu if p0.is_cpu else buf.device == p0.device) and \
+                (not sizes or [p.numel() for p in params] == self.sizes):
             return
         dev = params[0].device
         self.sizes = [p.numel() for p in params]
@@ -691,7 +693,7 @@ class Monitor:
             norms = _grad_norms(grads).tolist()  # one transfer; summed in Python
             return math.fsum(x * x for x in norms), norms
         with torch.no_grad():  # hooks run in the caller's grad mode; copying a parameter must not be recorded
-            st.prepare(params, ids)
+            st.prepare(params, ids, sizes=True)
             # copies by foreach (grads are new tensors each step: no cached flat views); the
             # dot products of a row right after writing it, while it is in cache
             torch._foreach_copy_(st.rows[st.slot], grads)

@@ -599,3 +599,25 @@ def test_grad_scaler_with_an_optimizer_that_unscales_inside_step(every):
         np.testing.assert_allclose(rows[True][ch].values, rows[False][ch].values, rtol=1e-4, equal_nan=True,
                                    err_msg=ch)
     assert np.isfinite(rows[True]["xgrad"].values[every::every]).all()
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_parameter_replaced_by_one_of_another_shape(backend):
+    """p.data = a larger tensor (same parameter object): the buffers are rebuilt, no crash; xgrad
+    is NaN across the change (no comparable previous gradient) and finite again after."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mon = Monitor(None, opt, backend=backend)
+    norms = []
+    for i in range(4):
+        if i == 2:
+            w.data = torch.randn(6, 3)
+        opt.zero_grad()
+        w.pow(2).sum().backward()
+        norms.append(w.grad.norm().item())
+        opt.step()
+    ds = mon.to_dataset()
+    np.testing.assert_allclose(ds.grad_norm.values, norms, rtol=1e-6)
+    np.testing.assert_allclose(ds.update_ratio.values, 0.2, rtol=1e-5)  # u = -0.1 * 2w
+    assert np.isnan(ds.xgrad.values[[0, 2]]).all() and np.isfinite(ds.xgrad.values[[1, 3]]).all()
