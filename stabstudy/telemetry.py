@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -224,6 +225,8 @@ class _OptState:
         # loss scale of this step's / that gradient (GradScaler with an optimizer that unscales
         # inside its step, e.g. fused Adam: the hooks see scaled gradients)
         self.gscale = self.prev_gscale = 1.0
+        self.special_key: tuple[int, ...] = ()  # the parameter set ``special`` was checked for
+        self.special = False  # sparse or complex gradients: grad_norm only (_special_g2)
         self.params: list[torch.Tensor] = []
         self.measuring = False
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
@@ -274,6 +277,15 @@ class _OptState:
 
 
 _F32 = torch.float32
+
+
+def _special_g2(grads: list[torch.Tensor]) -> float:
+    """||g||^2 of gradients that may be sparse (stored values, coalesced) or complex (|z|^2)."""
+    tot = 0.0
+    for g in grads:
+        v = g.coalesce().values() if g.is_sparse else g
+        tot += float(v.abs().double().pow(2).sum())
+    return tot
 
 
 def _grad_scale(opt: torch.optim.Optimizer) -> float:
@@ -623,7 +635,17 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
+        if ids != st.special_key:  # sparse / complex: fixed per parameter, checked when the set changes
+            st.special_key = ids
+            st.special = any(p.is_complex() for p in params) or any(g.is_sparse for g in grads)
+            if st.special:
+                warnings.warn(f"Monitor: optimizer {st.name!r} steps sparse or complex gradients; only grad_norm "
+                              "and lr are recorded for it", RuntimeWarning, stacklevel=4)
         st.gscale = _grad_scale(st.opt)
+        if st.special:
+            rec, b = self._row_fields(st, s)
+            rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, _special_g2(grads) / st.gscale**2
+            return
         measure = k % self.every == 0
         keep = not measure and self.every > 1 and (k + 1) % self.every == 0  # for the next step's xgrad
         if self._fused_ok(st, params, grads, ids, measure):

@@ -621,3 +621,29 @@ def test_parameter_replaced_by_one_of_another_shape(backend):
     np.testing.assert_allclose(ds.grad_norm.values, norms, rtol=1e-6)
     np.testing.assert_allclose(ds.update_ratio.values, 0.2, rtol=1e-5)  # u = -0.1 * 2w
     assert np.isnan(ds.xgrad.values[[0, 2]]).all() and np.isfinite(ds.xgrad.values[[1, 3]]).all()
+
+
+@pytest.mark.parametrize("kind", ["sparse", "complex"])
+def test_sparse_or_complex_gradients_record_grad_norm_only(kind):
+    torch.manual_seed(0)
+    if kind == "sparse":
+        emb = torch.nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SparseAdam(list(emb.parameters()), lr=0.1)
+        idx = torch.tensor([1, 2, 2, 3])  # a repeated index: coalescing sums its rows
+        loss_of, param = (lambda: emb(idx).pow(2).sum()), emb.weight
+    else:
+        param = torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        opt = torch.optim.Adam([param], lr=1e-2)
+        loss_of = lambda: (param.abs() ** 2).sum()  # noqa: E731
+    mon = Monitor(None, opt, every=1)
+    expected = []
+    with pytest.warns(RuntimeWarning, match="sparse or complex gradients"):
+        for _ in range(3):
+            opt.zero_grad()
+            loss_of().backward()
+            g = param.grad.to_dense() if param.grad.is_sparse else param.grad
+            expected.append(g.abs().pow(2).sum().sqrt().item())
+            opt.step()
+    ds = mon.to_dataset()
+    np.testing.assert_allclose(ds.grad_norm.values, expected, rtol=1e-5)
+    assert np.isnan(ds.update_norm.values).all() and np.isfinite(ds.lr.values).all()
