@@ -227,6 +227,7 @@ class _OptState:
         self.gscale = self.prev_gscale = 1.0
         self.special_key: tuple[int, ...] = ()  # the parameter set ``special`` was checked for
         self.special = False  # sparse or complex gradients: grad_norm only (_special_g2)
+        self.pending: list[bool] | None = None  # opt.step(closure): [whether the gradient pass ran]
         self.params: list[torch.Tensor] = []
         self.measuring = False
         self.kept = False  # this step's gradient is kept for the next step's xgrad (every > 1)
@@ -579,15 +580,21 @@ class Monitor:
 
         def hook(optimizer, args, kwargs):
             t0 = clock()
+            out = None
             if not self.enabled:
                 if pre:  # keep counting updates so that `step` stays the update index
-                    self._open_row_if_needed(st)
-                    st.n += 1  # an unseen step: the next one's previous gradient is unknown
-                    if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
-                        st.adam.verified = False
+                    self._skip(st)
             elif pre:
-                self._pre(st)
+                # args is (optimizer, *step args): torch passes the bound call's full arguments
+                closure = args[1] if len(args) > 1 else kwargs.get("closure")
+                if callable(closure):  # the gradient exists only once the closure ran: read it then
+                    out = self._after_closure(st, closure, args, kwargs)
+                else:
+                    self._pre(st)
             else:
+                if st.pending is not None and not st.pending[0]:  # the step never called its closure
+                    self._skip(st)
+                st.pending = None
                 self._post(st)
             t1 = clock()
             cost[0] += t1 - t0
@@ -595,8 +602,36 @@ class Monitor:
                 cost[1] = t0
             cost[2] = t1
             cost[3] += 1
-            return None
+            return out
         return hook
+
+    def _skip(self, st: _OptState) -> None:
+        """An update the Monitor does not see: counted (``step`` stays the update index), nothing read."""
+        self._open_row_if_needed(st)
+        st.n += 1  # the next step's previous gradient is unknown
+        st.params, st.measuring = [], False
+        if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
+            st.adam.verified = False
+
+    def _after_closure(self, st: _OptState, closure: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``opt.step(closure)``: the pre-hook runs before the closure computes the gradient, so the
+        closure is wrapped to run the gradient pass right after its first call (before the step
+        changes the parameters; LBFGS calls it again later, those calls pass through)."""
+        fired = st.pending = [False]
+        cost, clock = self._cost, time.perf_counter
+
+        def wrapped():
+            loss = closure()
+            if not fired[0]:
+                fired[0] = True
+                t0 = clock()
+                self._pre(st)
+                cost[0] += clock() - t0
+            return loss
+
+        if len(args) > 1:
+            return (args[0], wrapped, *args[2:]), kwargs
+        return args, {**kwargs, "closure": wrapped}
 
     def cost(self) -> MonitorCost:
         """Wall time this Monitor spent inside its hooks so far, against the wall time since

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stabstudy import kernels
-from stabstudy.telemetry import Monitor, gradient_coherence
+from stabstudy.telemetry import OPT_CHANNELS, Monitor, gradient_coherence
 
 W0 = np.array([[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]])
 B0 = np.array([0.2, -0.1])
@@ -647,3 +647,77 @@ def test_sparse_or_complex_gradients_record_grad_norm_only(kind):
     ds = mon.to_dataset()
     np.testing.assert_allclose(ds.grad_norm.values, expected, rtol=1e-5)
     assert np.isnan(ds.update_norm.values).all() and np.isfinite(ds.lr.values).all()
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_step_with_closure_matches_the_plain_loop(how):
+    """opt.step(closure): the gradient exists only after the closure ran; the channels must equal
+    those of the same training written as zero_grad / backward / step."""
+    out = {}
+    for mode in ("plain", how):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        mon = Monitor(model, opt)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+        def closure(opt=opt, model=model, x=x, y=y):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        for _ in range(4):
+            if mode == "plain":
+                closure()
+                opt.step()
+            elif mode == "positional":
+                opt.step(closure)
+            else:
+                opt.step(closure=closure)
+        out[mode] = mon.to_dataset()
+    for ch in OPT_CHANNELS:
+        np.testing.assert_allclose(out[how][ch].values, out["plain"][ch].values, rtol=1e-6, equal_nan=True, err_msg=ch)
+    assert np.isfinite(out[how].grad_norm.values).all() and np.isfinite(out[how].xgrad.values[1:]).all()
+
+
+def test_lbfgs_reads_the_first_closure_gradient_and_the_whole_update():
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(5))
+    opt = torch.optim.LBFGS([w], lr=0.5, max_iter=4)
+    mon = Monitor(None, opt)
+    target = torch.arange(5.0)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((w - target) ** 2).sum()
+        loss.backward()
+        return loss
+
+    g0 = 2 * (w.detach() - target)
+    w0 = w.detach().clone()
+    opt.step(closure)
+    row = mon.row()
+    assert row["grad_norm"] == pytest.approx(g0.norm().item(), rel=1e-6)
+    assert row["update_norm"] == pytest.approx((w.detach() - w0).norm().item(), rel=1e-5)
+
+
+def test_step_that_never_calls_its_closure_is_counted_not_read():
+    class Lazy(torch.optim.Optimizer):  # plain SGD that ignores its closure
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for g in self.param_groups:
+                for p in g["params"]:
+                    p.add_(p.grad, alpha=-g["lr"])
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = Lazy([w], lr=0.1)
+    mon = Monitor(None, opt)
+    w.grad = torch.ones(3)
+    opt.step(lambda: None)
+    opt.step()
+    ds = mon.to_dataset()  # the unread update is counted (as a disabled one), not a row
+    assert mon.step == 1 and ds.step.values.tolist() == [1] and ds.grad_norm.values[0] == pytest.approx(3**0.5)
