@@ -86,6 +86,11 @@ def _compile(cc: str, target: Path) -> None:
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
+        # the linker keeps mkstemp's private mode (0600 plus x): give the library a plain build's
+        # mode (0777 less the umask) so that a cache shared through $STABSTUDY_CACHE is loadable
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
     finally:
         if os.path.exists(tmp):

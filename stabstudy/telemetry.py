@@ -126,8 +126,8 @@ def gradient_coherence(grads: Sequence[Sequence[torch.Tensor] | torch.Tensor]) -
             (one per parameter, same layout for every k).
 
     Returns:
-        A float in [1/K, 1]: 1 when all microbatch gradients agree, 1/K when they
-        are orthogonal with equal norms (pure noise).
+        A float in [0, 1]: 1 when all microbatch gradients agree, 1/K when they
+        are orthogonal with equal norms (pure noise), 0 when they cancel.
     """
     flat = [g if isinstance(g, torch.Tensor) else torch.cat([t.detach().reshape(-1) for t in g]) for g in grads]
     if not flat:
@@ -379,7 +379,7 @@ class Monitor:
         self._kernels = kernels.load() if backend != "torch" else None
         if backend == "fused" and self._kernels is None:
             raise RuntimeError(f"backend='fused' but the fused kernels are unavailable: {kernels.unavailable_reason()}")
-        #: optimizer steps whose statistics the fused kernels computed (the rest: torch ops)
+        #: optimizer steps whose gradient pass ran on the fused kernels (measured or not; the rest: torch ops)
         self.fused_steps = 0
         if isinstance(optimizer, Mapping):
             named = list(optimizer.items())

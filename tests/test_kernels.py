@@ -165,6 +165,9 @@ def test_compiles_once_into_the_cache(fresh_kernels, monkeypatch):
     k = kernels.load()
     assert k is not None and k.path.parent == fresh_kernels
     assert [p.name for p in fresh_kernels.iterdir()] == [k.path.name]  # no temporary files left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert k.path.stat().st_mode & 0o777 == 0o777 & ~umask  # a shared cache stays loadable by others
     mtime = k.path.stat().st_mtime_ns
     monkeypatch.setattr(kernels, "_tried", False)
     assert kernels.load().path == k.path and k.path.stat().st_mtime_ns == mtime  # reused, not rebuilt
