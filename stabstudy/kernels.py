@@ -87,10 +87,14 @@ def _compile(cc: str, target: Path) -> None:
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed (exit {proc.returncode}): {proc.stderr.strip()[-500:]}")
         # the linker keeps mkstemp's private mode (0600 plus x): give the library a plain build's
-        # mode (0777 less the umask) so that a cache shared through $STABSTUDY_CACHE is loadable
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.chmod(tmp, 0o777 & ~mask)
+        # mode (0777 less the umask, read off a probe file: os.umask would change it process-wide
+        # for a moment) so that a cache shared through $STABSTUDY_CACHE is loadable by others
+        probe = tmp + ".mode"
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o777))
+        try:
+            os.chmod(tmp, os.stat(probe).st_mode & 0o777)
+        finally:
+            os.unlink(probe)
         os.replace(tmp, target)  # atomic: a concurrent loader sees no file or a whole one
     finally:
         if os.path.exists(tmp):
