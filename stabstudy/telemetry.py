@@ -192,6 +192,14 @@ class _Table:
         if row >= self.n:
             self.n = row + 1
 
+    def widen(self, width: int) -> None:
+        """Grow a 1-D tail to ``width`` columns (NaN in the new ones)."""
+        if width <= self.tail[0]:
+            return
+        out = np.full((len(self.a), width), np.nan)
+        out[:, : self.tail[0]] = self.a
+        self.a, self.tail, self.mv = out, (width,), None
+
     def _padded(self, x: np.ndarray, n: int, fill: Any) -> np.ndarray:
         out = np.full((n, *self.tail), fill, dtype=x.dtype)
         out[: len(x)] = x
@@ -409,6 +417,7 @@ class Monitor:
         self._stats = _Table((len(self._opts), _NF))  # row -> optimizer -> statistics (_F_*)
         self._logged: dict[str, _Table] = {}  # logged scalars by name, in order of appearance
         self._layer_names: list[str] = []
+        self._param_names: dict[int, str] = {}  # id(parameter) -> name in the model (per_layer)
         self._layer_index: dict[int, int] = {}
         self._layers: dict[str, _Table] = {}
         if per_layer:
@@ -567,6 +576,7 @@ class Monitor:
         for prefix, m in mods:
             for n, p in m.named_parameters():
                 names.setdefault(id(p), prefix + n)
+        self._param_names = names  # also for parameters an optimizer gains later (add_param_group)
         for st in self._opts:
             for gi, g in enumerate(st.opt.param_groups):
                 for pi, p in enumerate(g["params"]):
@@ -697,7 +707,7 @@ class Monitor:
             rec, b = self._row_fields(st, s)
             rec[b + _F_KIND], rec[b + _F_G2] = _K_GRAD, g2
             if self.per_layer:
-                self._store_layers(s, params, layer_g, None)
+                self._store_layers(st, s, params, layer_g, None)
             if st.kept:
                 st.prev_g2, st.prev_gscale = g2, st.gscale
 
@@ -791,7 +801,7 @@ class Monitor:
         if layer is not None:
             g_l, u_l, w_l = layer
             ratio = [u / w if w > 0 else _NAN for u, w in zip(u_l, w_l, strict=True)]
-            self._store_layers(s, params, g_l, ratio)
+            self._store_layers(st, s, params, g_l, ratio)
         if adam is not None:
             bc1, bc2, m2, vsum, nbelow = adam
             rec[b + _F_KIND] = _K_ADAM
@@ -867,16 +877,27 @@ class Monitor:
             out.append(neg_u.neg().to(p.dtype))
         return out
 
-    def _store_layers(self, s: int, params, g_l, ratio) -> None:
+    def _store_layers(self, st: _OptState, s: int, params, g_l, ratio) -> None:
+        if any(id(p) not in self._layer_index for p in params):
+            self._add_layers(st, params)
         g_arr = self._layers["layer_grad_norm"].row(s)
         r_arr = self._layers["layer_update_ratio"].row(s)
         for j, p in enumerate(params):
-            i = self._layer_index.get(id(p))
-            if i is None:
-                continue
+            i = self._layer_index[id(p)]
             g_arr[i] = g_l[j]
             if ratio is not None:
                 r_arr[i] = ratio[j]
+
+
+    def _add_layers(self, st: _OptState, params) -> None:
+        """Layer entries for parameters the optimizer gained after the Monitor attached
+        (``add_param_group``, e.g. a layer unfrozen during fine-tuning); NaN in earlier rows."""
+        for p in params:
+            if id(p) not in self._layer_index:
+                self._layer_index[id(p)] = len(self._layer_names)
+                self._layer_names.append(self._param_names.get(id(p), f"{st.name}.added{len(self._layer_names)}"))
+        for t in self._layers.values():
+            t.widen(len(self._layer_names))
 
 
 class _AdamCache:

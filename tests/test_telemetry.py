@@ -721,3 +721,33 @@ def test_step_that_never_calls_its_closure_is_counted_not_read():
     opt.step()
     ds = mon.to_dataset()  # the unread update is counted (as a disabled one), not a row
     assert mon.step == 1 and ds.step.values.tolist() == [1] and ds.grad_norm.values[0] == pytest.approx(3**0.5)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_per_layer_entries_for_parameters_added_after_attaching(backend):
+    """Gradual unfreezing: a layer joins the optimizer by add_param_group after the Monitor
+    attached; it gets its layer entries (named from the model), NaN before it trained."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    mon = Monitor(model, opt, per_layer=True, backend=backend)
+    x, y = torch.randn(8, 3), torch.randn(8, 2)
+    grads = []
+    for i in range(4):
+        if i == 2:
+            opt.add_param_group({"params": list(model[0].parameters())})
+        opt.zero_grad()
+        ((model(x) - y) ** 2).mean().backward()
+        if i >= 2:
+            grads.append(model[0].weight.grad.norm().item())
+        else:
+            model[0].weight.grad = None
+            model[0].bias.grad = None
+        opt.step()
+    ds = mon.to_dataset()
+    names = ds.layer.values.tolist()
+    assert names[:2] == ["2.weight", "2.bias"] and set(names[2:]) == {"0.weight", "0.bias"}
+    first = ds.layer_grad_norm.sel(layer="0.weight").values
+    assert np.isnan(first[:2]).all()
+    np.testing.assert_allclose(first[2:], grads, rtol=1e-5)
+    assert np.isfinite(ds.layer_update_ratio.sel(layer="0.weight").values[2:]).all()
