@@ -46,6 +46,7 @@ import sys
 import time
 import warnings
 from array import array
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -96,8 +97,8 @@ class GradReadOnly:
             self.fused_steps += 1
         self.hook_s += time.perf_counter() - t0
 
-    def cost(self) -> argparse.Namespace:
-        return argparse.Namespace(hook_s=self.hook_s)
+    def cost(self) -> SimpleNamespace:
+        return SimpleNamespace(hook_s=self.hook_s)
 
     def log(self, **scalars) -> None:
         pass

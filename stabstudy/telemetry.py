@@ -888,7 +888,6 @@ class Monitor:
             if ratio is not None:
                 r_arr[i] = ratio[j]
 
-
     def _add_layers(self, st: _OptState, params) -> None:
         """Layer entries for parameters the optimizer gained after the Monitor attached
         (``add_param_group``, e.g. a layer unfrozen during fine-tuning); NaN in earlier rows."""
@@ -917,7 +916,6 @@ class _AdamCache:
         self.vs: list[torch.Tensor] = []
         self.steps: list[Any] = []  # step tensors (updated in place), or None: read from the state dict
         self.groups: list[tuple[dict[str, Any], int, int]] = []  # (param group, first, end) in `params`
-        self.first_m: torch.Tensor | None = None
         self.ids: tuple[int, ...] = ()
         self.verified = False  # see common_count
         stepped = {id(p) for p in params}
@@ -943,7 +941,6 @@ class _AdamCache:
             return
         self.params = params
         self.ids = tuple(map(id, params))
-        self.first_m = self.ms[0]
         self.m_flat, self.v_flat = _flat_views(self.ms), _flat_views(self.vs)
         # for the fused kernels: pointer arrays (kept alive here) and their addresses, when every
         # m and v is a contiguous float32 CPU tensor of its parameter's size (the kernel reads that many)
