@@ -15,11 +15,12 @@ import time
 
 import torch
 
-from stabstudy import lm
-from stabstudy.corpus import get_batch, load_corpus
-from stabstudy.gpt import GPT
-from stabstudy.precision import autocast
-from stabstudy.telemetry import Monitor
+from stabstudy.hparams import GPTHParams, defaults
+from stabstudy.instruments.precision import autocast
+from stabstudy.instruments.telemetry import Monitor
+from stabstudy.learners import lm
+from stabstudy.learners.corpus import get_batch, load_corpus
+from stabstudy.learners.gpt import GPT
 
 
 def make_variant(hp: dict, monitor: bool, dtype: str, device: torch.device):
@@ -60,7 +61,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    hp = {**lm.DEFAULTS, "n_embd": args.n_embd, "n_layer": args.n_layer, "batch_size": args.batch_size,
+    hp = {**defaults(GPTHParams), "n_embd": args.n_embd, "n_layer": args.n_layer, "batch_size": args.batch_size,
           "block_size": args.block_size}
     device = lm.resolve_device(args.device)
     corpus = load_corpus("stdlib", int(hp["corpus_bytes"]))

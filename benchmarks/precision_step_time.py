@@ -2,7 +2,7 @@
 
 Variants (same small GPT, same batches): float32; bfloat16 autocast; float16 autocast with a
 GradScaler; pure bfloat16 (parameters and Adam state stored in bfloat16); float16 emulated at
-op boundaries (:class:`stabstudy.precision._LowPrecisionEmulation`); and float32 plus the
+op boundaries (:class:`stabstudy.instruments.precision._LowPrecisionEmulation`); and float32 plus the
 precision telemetry (snapshot + lost_update_frac + nonfinite counts + Adam-state scan) to show
 what the channels cost. Repeats are interleaved (variant order shuffled per round) and the
 median step time is reported with its ratio to float32.
@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from stabstudy import precision as P
-from stabstudy.gpt import GPT, GPTConfig
+from stabstudy.instruments import precision as P
+from stabstudy.learners.gpt import GPT, GPTConfig
 
 
 def make_step(variant: str, cfg: GPTConfig, seed: int) -> Callable[[torch.Tensor, torch.Tensor], None]:

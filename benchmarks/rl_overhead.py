@@ -23,7 +23,8 @@ import warnings
 
 import torch
 
-from stabstudy import rl
+from stabstudy.learners.rl import learner as rl
+from stabstudy.registry import ON_POLICY
 from stabstudy.spec import RunSpec
 
 
@@ -59,7 +60,7 @@ def main() -> None:
     hp = {"hidden": args.hidden, "monitor_every": args.monitor_every}
     if args.batch_size:
         hp["batch_size"] = args.batch_size
-    if args.algo not in rl.ON_POLICY:
+    if args.algo not in ON_POLICY:
         hp["learning_starts"] = min(100, args.steps // 4)
     spec = RunSpec("rl", args.algo, args.env, args.steps, 0, hparams=hp)
     variants = ["plain", "callback", "no-monitor"]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from stabstudy import runner
-from stabstudy.runner import run_grid
+from stabstudy.run import runner
+from stabstudy.run.runner import run_grid
+from stabstudy.run.store import RunStore
 from stabstudy.spec import RunSpec
-from stabstudy.store import RunStore
 
 
 def grid(n: int, steps: int, offset: int) -> list[RunSpec]:

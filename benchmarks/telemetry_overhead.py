@@ -1,10 +1,10 @@
 """Cost of the telemetry Monitor and of one lambda_max measurement, side by side;
 then our lambda_max against PyHessian's power iteration.
 
-Two training loops -- a small GPT (``stabstudy.gpt.GPT``, AdamW, as in ``stabstudy.lm``)
-and the toy tanh MLP (``stabstudy.toy.MLP``, Adam, MSE) -- each run with the Monitor
+Two training loops -- a small GPT (``stabstudy.learners.gpt.GPT``, AdamW, as in ``stabstudy.learners.lm``)
+and the toy tanh MLP (``stabstudy.learners.toy.MLP``, Adam, MSE) -- each run with the Monitor
 off, on with ``every=1`` and on with ``every=10``, with its default backend (the fused C
-kernels of ``stabstudy.kernels`` where they compile; the ``fused`` column says whether they
+kernels of ``stabstudy.instruments.telemetry.kernels`` where they compile; the ``fused`` column says whether they
 ran) and with ``backend="torch"`` (torch ops only, as on a GPU or without a C compiler), and a
 floor: a pre-hook that only reads every gradient once, the least a per-step ``grad_norm`` costs
 (``GradReadOnly``). The variants share one model and
@@ -53,9 +53,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from stabstudy import curvature, kernels, lm, toy
-from stabstudy.gpt import GPT
-from stabstudy.telemetry import Monitor
+from stabstudy.hparams import GPTHParams, defaults
+from stabstudy.instruments import curvature
+from stabstudy.instruments.telemetry import Monitor, kernels
+from stabstudy.learners import lm, toy
+from stabstudy.learners.gpt import GPT
 
 # (label, every, backend): the default backend ("auto": the fused C kernels on these float32 CPU
 # models when they compile) and, for comparison, the Monitor's torch ops alone
@@ -109,7 +111,7 @@ class GradReadOnly:
 
 def gpt_workload(args):
     n_head = getattr(args, "n_head", None) or max(args.n_embd // 32, 1)
-    hp = {**lm.DEFAULTS, "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": n_head, "block_size": args.block}
+    hp = {**defaults(GPTHParams), "n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": n_head, "block_size": args.block}
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 256, (args.batch, args.block), generator=g),
                 torch.randint(0, 256, (args.batch, args.block), generator=g)) for _ in range(args.steps)]

@@ -1,5 +1,5 @@
 import sys
 
-from stabstudy.cli import main
+from stabstudy.run.cli import main
 
 sys.exit(main())

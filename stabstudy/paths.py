@@ -48,4 +48,4 @@ def build_dir() -> Path:
 
 
 def profiles_dir() -> Path:
-    return _PKG / "profiles"
+    return _PKG / "run" / "profiles"

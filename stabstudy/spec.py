@@ -15,103 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from stabstudy.perturb import KINDS, check_kind
-
-#: Valid learners per domain.
-LEARNERS: dict[str, tuple[str, ...]] = {
-    "toy": ("gd", "sgd", "adam"),
-    "rl": ("ppo", "sac", "td3", "a2c", "ddpg"),
-    "lm": ("gpt",),
-}
-
-
-def _freeze(value: Any, where: str) -> Any:
-    """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences."""
-    if isinstance(value, bool | int | str) or value is None:
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"{where}: hyperparameter values must be finite, got {value!r}")
-        return value
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v, where) for v in value)
-    if isinstance(value, np.ndarray):  # a sequence, whatever its size (.item() would unwrap [64])
-        return _freeze(value.tolist(), where)
-    if isinstance(value, np.generic):  # numpy scalar
-        return _freeze(value.item(), where)
-    raise TypeError(f"{where}: hyperparameter values must be str/int/float/bool/None or sequences of them, got {type(value).__name__}")
-
-
-def _thaw(value: Any) -> Any:
-    return [_thaw(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _freeze_map(mapping: Mapping[str, Any] | tuple, where: str) -> tuple[tuple[str, Any], ...]:
-    items = mapping.items() if isinstance(mapping, Mapping) else tuple(mapping)
-    out = []
-    for k, v in items:
-        if not isinstance(k, str) or not k.isidentifier():
-            raise ValueError(f"{where}: keys must be identifiers, got {k!r}")
-        out.append((k, _freeze(v, f"{where}[{k!r}]")))
-    return tuple(sorted(out))
-
-
-@dataclass(frozen=True)
-class Perturbation:
-    """A disturbance of ``kind`` active on steps ``[start, start + duration)``.
-
-    ``dose`` means what :data:`stabstudy.perturb.KINDS` says for the kind (e.g. the
-    learning-rate factor of an ``lr_spike``). ``params`` carries kind-specific
-    options (e.g. ``{"layer": "blocks.0.attn"}`` for ``reinit_layer``).
-    """
-
-    kind: str
-    start: int
-    duration: int = 1
-    dose: float = 1.0
-    params: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
-
-    def __post_init__(self) -> None:
-        check_kind(self.kind)
-        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
-            raise ValueError(f"perturbation {self.kind!r}: start must be an integer >= 0, got {self.start!r}")
-        if not isinstance(self.duration, int) or isinstance(self.duration, bool) or self.duration < 1:
-            raise ValueError(f"perturbation {self.kind!r}: duration must be an integer >= 1, got {self.duration!r}")
-        dose = float(self.dose)
-        if not math.isfinite(dose) or dose < 0:
-            raise ValueError(f"perturbation {self.kind!r}: dose must be a finite number >= 0, got {self.dose!r}")
-        object.__setattr__(self, "dose", dose)
-        object.__setattr__(self, "params", _freeze_map(self.params, f"perturbation {self.kind!r} params"))
-
-    @property
-    def dimension(self) -> str:
-        """The stability dimension of this kind."""
-        return KINDS[self.kind].dimension
-
-    @property
-    def end(self) -> int:
-        """First step after the window."""
-        return self.start + self.duration
-
-    @property
-    def p(self) -> dict[str, Any]:
-        """``params`` as a plain dict."""
-        return {k: _thaw(v) for k, v in self.params}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "start": self.start, "duration": self.duration, "dose": self.dose, "params": self.p}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Perturbation:
-        return cls(kind=d["kind"], start=int(d["start"]), duration=int(d.get("duration", 1)),
-                   dose=float(d.get("dose", 1.0)), params=d.get("params", {}))
+from stabstudy.hparams import validate
+from stabstudy.interventions.perturb import Perturbation, freeze_map, thaw
+from stabstudy.registry import check_kind, hparams_class
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,7 +33,7 @@ class RunSpec:
 
     Attributes:
         domain: ``"toy"``, ``"rl"`` or ``"lm"``.
-        learner: one of :data:`LEARNERS` for the domain.
+        learner: one of :data:`stabstudy.registry.LEARNERS` for the domain.
         task: what is learned: a dataset name (toy), a gymnasium env id (rl), a
             corpus name or text-file path (lm).
         steps: run length in the domain's step unit (see module docstring).
@@ -148,13 +58,7 @@ class RunSpec:
     _hash: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.domain not in LEARNERS:
-            raise ValueError(f"unknown domain {self.domain!r}; valid domains: {', '.join(LEARNERS)}")
-        if self.learner not in LEARNERS[self.domain]:
-            raise ValueError(
-                f"unknown learner {self.learner!r} for domain {self.domain!r}; "
-                f"valid learners: {', '.join(LEARNERS[self.domain])}"
-            )
+        hp_class = hparams_class(self.domain, self.learner)  # names the valid domains / learners
         if not isinstance(self.task, str) or not self.task:
             raise ValueError(f"task must be a non-empty string, got {self.task!r}")
         for name in ("steps", "seed", "log_every", "eval_every", "curvature_every"):
@@ -183,14 +87,16 @@ class RunSpec:
                     f"[0, {self.steps}); shorten it or lengthen the run"
                 )
         object.__setattr__(self, "perturbations", perts)
-        object.__setattr__(self, "hparams", _freeze_map(self.hparams, "hparams"))
+        object.__setattr__(self, "hparams", freeze_map(self.hparams, "hparams"))
+        # fail here, not minutes later on a worker, for a misspelt or mistyped name
+        validate(hp_class, self.hp, f"{self.domain} learner {self.learner!r}")
         object.__setattr__(self, "_hash", hashlib.sha256(self.to_json().encode()).hexdigest()[:16])
 
     # -- views -----------------------------------------------------------------
     @property
     def hp(self) -> dict[str, Any]:
         """``hparams`` as a plain dict."""
-        return {k: _thaw(v) for k, v in self.hparams}
+        return {k: thaw(v) for k, v in self.hparams}
 
     def get(self, name: str, default: Any = None) -> Any:
         """One hyperparameter, with a default."""

@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 @pytest.fixture
 def tmp_store(tmp_path, monkeypatch):
     """A RunStore in a temporary folder; STABSTUDY_DATA/FIGURES point there too."""
-    from stabstudy.store import RunStore
+    from stabstudy.run.store import RunStore
 
     monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path / "figures"))

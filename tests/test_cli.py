@@ -3,8 +3,8 @@ import sys
 
 import pytest
 
-from stabstudy import study
-from stabstudy.cli import main
+from stabstudy.run import study
+from stabstudy.run.cli import main
 
 
 def test_unknown_profile_exits_2_and_writes_nothing(tmp_path, capsys):

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from stabstudy import corpus as C
+from stabstudy.learners import corpus as C
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from stabstudy import curvature as cv
-from stabstudy.telemetry import Monitor
+from stabstudy.hparams import GPTHParams, defaults
+from stabstudy.instruments import curvature as cv
+from stabstudy.instruments.telemetry import Monitor
 
 SIZES = [(4, 6), (6, 3)]  # a 4-6-3 tanh MLP: 51 parameters
 
@@ -246,10 +247,10 @@ def test_curvature_probe_logs_every_n_steps(method):
 
 def test_lambda_max_through_fused_attention():
     """Fused scaled-dot-product attention has no double backward: gradient_graph uses the math kernel."""
-    gpt = pytest.importorskip("stabstudy.gpt")
-    lm = pytest.importorskip("stabstudy.lm")
+    gpt = pytest.importorskip("stabstudy.learners.gpt")
+    lm = pytest.importorskip("stabstudy.learners.lm")
     torch.manual_seed(0)
-    hp = {**lm.DEFAULTS, "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 8}
+    hp = {**defaults(GPTHParams), "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 8}
     model = gpt.GPT(lm.model_config(hp))
     x = torch.randint(0, 256, (2, 8))
     res = cv.lambda_max(lambda: model(x, x).loss, list(model.parameters()), iters=5, seed=0)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy import events
+from stabstudy.analysis import events
 
 
 def curve(values, steps=None):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from stabstudy.gpt import GPT, GPTConfig, resolve_device
+from stabstudy.learners.gpt import GPT, GPTConfig, resolve_device
 
 
 def make(seed: int = 0, **kw) -> GPT:

@@ -1,4 +1,4 @@
-"""The Monitor's fused C kernels (stabstudy.kernels): same channels as its torch ops, fallback
+"""The Monitor's fused C kernels (stabstudy.instruments.telemetry.kernels): same channels as its torch ops, fallback
 where the kernels cannot read the tensors, and the compile / cache / disable paths."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from stabstudy import kernels
-from stabstudy.telemetry import Monitor
+from stabstudy.instruments.telemetry import Monitor, kernels
 
 # CI has a C compiler: there a missing kernel is a failure, not a skip
 needs_kernels = pytest.mark.skipif(kernels.load() is None and not os.environ.get("CI"),

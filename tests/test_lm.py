@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy import lm
-from stabstudy.runner import run_grid
-from stabstudy.spec import Perturbation
-from stabstudy.store import SHARED_CHANNELS, load_runs
+from stabstudy.analysis.studies import lm_spikes as study
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.learners import lm
+from stabstudy.run.runner import run_grid
+from stabstudy.run.store import SHARED_CHANNELS, load_runs
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, corpus_bytes=200_000, warmup=5)
 LM_CHANNELS = ("val_loss", "ce_loss", "z_loss", "attn_logit_max", "attn_logit_max_l0", "out_logit_max",
@@ -17,7 +18,7 @@ LM_CHANNELS = ("val_loss", "ce_loss", "z_loss", "attn_logit_max", "attn_logit_ma
 
 
 def spec(steps=30, seed=0, perts=(), **hp):
-    return lm.base_spec(steps, seed=seed, perturbations=tuple(perts), eval_every=10, **{**TINY, **hp})
+    return study.base_spec(steps, seed=seed, perturbations=tuple(perts), eval_every=10, **{**TINY, **hp})
 
 
 def test_learner_stores_every_channel(tmp_store):
@@ -104,37 +105,37 @@ def test_curvature_channels_at_their_cadence():
 
 
 def test_grid_builders_and_analyses():
-    specs = lm.spike_grid(40, 20, seeds=(0,), events={"lr_spike": (30.0, 2), "outlier_batch": (1.0, 1)},
+    specs = study.spike_grid(40, 20, seeds=(0,), events={"lr_spike": (30.0, 2), "outlier_batch": (1.0, 1)},
                           beta2s=(0.95, 0.99), **TINY)
     assert len(specs) == 2 * 3 and len({s.spec_hash for s in specs}) == 6
-    meta = lm.run_table(specs)
+    meta = study.run_table(specs)
     assert (meta.event == "none").sum() == 2
     assert (meta[meta.event != "none"].twin != "").all()
-    sweep = lm.lr_sweep_grid((1e-3, 1e-2), 30, variants=("baseline", "qk_layernorm"), **TINY)
+    sweep = study.lr_sweep_grid((1e-3, 1e-2), 30, variants=("baseline", "qk_layernorm"), **TINY)
     assert [s.hp["lr"] for s in sweep] == [1e-3, 1e-2, 1e-3, 1e-2]
-    assert lm.run_table(sweep).variant.tolist() == ["baseline"] * 2 + ["qk_layernorm"] * 2
+    assert study.run_table(sweep).variant.tolist() == ["baseline"] * 2 + ["qk_layernorm"] * 2
     with pytest.raises(ValueError, match="unknown variant"):
-        lm.lr_sweep_grid((1e-3,), 30, variants=("layernorm",))
+        study.lr_sweep_grid((1e-3,), 30, variants=("layernorm",))
 
 
 def test_spike_effects_and_adam_memory_on_real_runs(tmp_store):
-    specs = lm.spike_grid(60, 20, seeds=(0,), events={"outlier_batch": (1.0, 1)}, beta2s=(0.9,), **TINY)
+    specs = study.spike_grid(60, 20, seeds=(0,), events={"outlier_batch": (1.0, 1)}, beta2s=(0.9,), **TINY)
     run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
     ds = load_runs(specs, store=tmp_store)
-    eff = lm.spike_effects(ds, specs)
+    eff = study.spike_effects(ds, specs)
     assert len(eff) == 1
     row = eff.iloc[0]
     assert row.peak_excess_loss > 0.1 and row.grad_norm_ratio > 2 and row.adam_v_ratio > 2
-    mem = lm.adam_memory(ds, specs)
+    mem = study.adam_memory(ds, specs)
     # the outlier's gradient leaves v with weight beta2^k: e-folding ~ 1/(1-beta2) = 10 steps
     assert 5 <= mem.iloc[0].t_efold <= 20 and mem.iloc[0].tau_theory == pytest.approx(10.0)
 
 
 def test_lr_sensitivity_definition():
     # loss0 = 5; losses over 4 lrs, one diverged (NaN -> loss0) and one above loss0 (capped)
-    assert lm.lr_sensitivity(np.array([3.0, 2.0, np.nan, 6.0]), 5.0) == pytest.approx((3 + 2 + 5 + 5) / 4 - 2)
-    assert lm.lr_sensitivity(np.array([2.0, 2.0]), 5.0) == 0.0
-    t, tau, k0 = lm.efold_time(np.exp(-np.arange(50) / 7.0))
+    assert study.lr_sensitivity(np.array([3.0, 2.0, np.nan, 6.0]), 5.0) == pytest.approx((3 + 2 + 5 + 5) / 4 - 2)
+    assert study.lr_sensitivity(np.array([2.0, 2.0]), 5.0) == 0.0
+    t, tau, k0 = study.efold_time(np.exp(-np.arange(50) / 7.0))
     assert k0 == 0 and t == 7.0 and tau == pytest.approx(7.0)
 
 
@@ -147,8 +148,8 @@ def test_spike_effects_recovery_baseline_is_not_smeared_by_the_event():
     """A centred smoothing window must not carry the spike into the pre-event baseline:
     synthetic twin pair, +3 nats at the outlier step, then an excess 0.6 * 0.8^k."""
     steps, s0 = 60, 20
-    twin = lm.base_spec(steps, 0)
-    pert = lm.base_spec(steps, 0, perturbations=(Perturbation("outlier_batch", s0, 1, dose=1.0),))
+    twin = study.base_spec(steps, 0)
+    pert = study.base_spec(steps, 0, perturbations=(Perturbation("outlier_batch", s0, 1, dose=1.0),))
     base = 3.0 - np.linspace(0, 1, steps)
     lp = base.copy()
     lp[s0] += 3.0
@@ -157,7 +158,7 @@ def test_spike_effects_recovery_baseline_is_not_smeared_by_the_event():
     for ch in ("val_loss", "grad_norm", "update_ratio", "adam_v_mean", "xgrad", "attn_logit_max"):
         data[ch] = (("run", "step"), np.ones((2, steps)))
     ds = xr.Dataset(data, coords={"run": [pert.spec_hash, twin.spec_hash], "step": np.arange(steps)})
-    row = lm.spike_effects(ds, [twin, pert], smooth=5, abs_tol=0.05).iloc[0]
+    row = study.spike_effects(ds, [twin, pert], smooth=5, abs_tol=0.05).iloc[0]
     # excess <= 0.05 from k = 12 (0.6 * 0.8^12 = 0.041), i.e. step s0 + 13; smoothing shifts it by
     # at most half a window
     assert 11 <= row.recovery_steps <= 16
@@ -165,12 +166,13 @@ def test_spike_effects_recovery_baseline_is_not_smeared_by_the_event():
 
 
 def test_run_on_an_edited_corpus_file_is_recomputed(tmp_store, tmp_path, monkeypatch, capsys):
-    from stabstudy import corpus, runner
+    from stabstudy.learners import corpus
+    from stabstudy.run import runner
 
     monkeypatch.setattr(corpus, "_MEMO", {})
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    spec = lm.base_spec(3, 0, task=str(text), **TINY)
+    spec = study.base_spec(3, 0, task=str(text), **TINY)
     run_grid([spec], scheduler="serial", store=tmp_store, progress=False)
     assert runner.pending([spec], tmp_store) == []
     text.write_text("a different text, with other bytes in it! " * 200)
@@ -185,8 +187,8 @@ def test_sharpness_claims_use_adams_preconditioned_threshold():
     lambda_max against 2/lr (which Adam trains past)."""
     import pandas as pd
 
-    twin = lm.base_spec(8, 0, **TINY)
-    spike = lm.base_spec(8, 0, perturbations=(Perturbation("lr_spike", 4, 2, dose=10.0),), **TINY)
+    twin = study.base_spec(8, 0, **TINY)
+    spike = study.base_spec(8, 0, perturbations=(Perturbation("lr_spike", 4, 2, dose=10.0),), **TINY)
     lr = np.full((2, 8), 1e-2)
     lr[1, 4:6] = 0.1
     thr = (2 + 2 * 0.9) / (0.1 * lr)  # 38 / lr
@@ -196,23 +198,23 @@ def test_sharpness_claims_use_adams_preconditioned_threshold():
     ds = xr.Dataset({"lambda_max": (("run", "step"), lam), "lr": (("run", "step"), lr),
                      "precond_sharpness": (("run", "step"), pre)},
                     coords={"run": [twin.spec_hash, spike.spec_hash], "step": np.arange(8)})
-    sharp = lm.sharpness_table(ds, [twin, spike])
+    sharp = study.sharpness_table(ds, [twin, spike])
     assert np.allclose(sharp.adam_threshold, 38 / sharp.lr) and np.allclose(sharp.ratio, 10.0)
     assert np.allclose(sharp[sharp.in_event == 1].precond_ratio, 2.0) and len(sharp[sharp.in_event == 1]) == 2
     empty = pd.DataFrame()
-    table = lm.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
+    table = study.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
     outside = [c for c in table.index if c.startswith("outside spikes")]
     during = [c for c in table.index if c.startswith("during an LR spike")]
     assert table[outside[0]] == "yes" and table[during[0]] == "yes"
     sharp.loc[sharp.in_event == 0, "precond_ratio"] = 1.5  # past Adam's threshold outside spikes
-    table = lm.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
+    table = study.claims(empty, empty, empty, empty, sharp).set_index("claim")["supported?"]
     assert table[outside[0]] == "no"
 
 
 def test_twin_has_the_same_logging_cadence():
-    event = lm.base_spec(40, 0, perturbations=(Perturbation("lr_spike", 10, 2, dose=10.0),), **TINY)
-    same = lm.base_spec(40, 0, **TINY)
-    sparse = lm.base_spec(40, 0, log_every=5, **TINY)
+    event = study.base_spec(40, 0, perturbations=(Perturbation("lr_spike", 10, 2, dose=10.0),), **TINY)
+    same = study.base_spec(40, 0, **TINY)
+    sparse = study.base_spec(40, 0, log_every=5, **TINY)
     for order in ([sparse, same, event], [same, sparse, event]):
-        assert lm.run_table(order).loc[event.spec_hash, "twin"] == same.spec_hash
-    assert lm.run_table([sparse, event]).loc[event.spec_hash, "twin"] == ""
+        assert study.run_table(order).loc[event.spec_hash, "twin"] == same.spec_hash
+    assert study.run_table([sparse, event]).loc[event.spec_hash, "twin"] == ""

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stabstudy import paths, study
+from stabstudy import paths
+from stabstudy.run import study
 
 NOTEBOOKS = study.notebooks()
 

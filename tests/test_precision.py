@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from stabstudy import lm
-from stabstudy import precision as P
-from stabstudy.runner import run_grid
-from stabstudy.spec import Perturbation
-from stabstudy.store import load_runs
+from stabstudy.analysis.studies import precision as study
+from stabstudy.instruments import precision as P
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.learners import lm
+from stabstudy.run.runner import run_grid
+from stabstudy.run.store import load_runs
 
 TINY = dict(n_layer=1, n_head=2, n_embd=32, block_size=32, batch_size=8, corpus_bytes=200_000, warmup=5)
 BF16 = torch.bfloat16
@@ -197,7 +198,7 @@ def test_grad_scaler_skips_overflowing_step():
 
 
 def _spec(precision, steps=30, seed=0, perts=(), **hp):
-    return P._lm_spec(steps, seed, precision, {**TINY, **hp}, perts, eval_every=10)
+    return study._lm_spec(steps, seed, precision, {**TINY, **hp}, perts, eval_every=10)
 
 
 def test_lm_fp16_overflow_without_scaler_diverges_and_is_stored(tmp_store):
@@ -207,7 +208,7 @@ def test_lm_fp16_overflow_without_scaler_diverges_and_is_stored(tmp_store):
     recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
     assert [r.status for r in recs] == ["diverged", "ok", "ok"], [r.error for r in recs]
     runs = load_runs(specs, store=tmp_store)
-    s = P.run_summary(runs).set_index("precision")
+    s = study.run_summary(runs).set_index("precision")
     # no scaler: the overflow reaches Adam, its state turns non-finite and the run stops there
     nf = runs.nonfinite_grads.isel(run=0).values
     assert nf[12] > 0 and (nf[:12] == 0).all()
@@ -245,10 +246,10 @@ def test_lm_scaler_grows_and_same_seed_same_trajectory():
 
 
 def test_lm_large_init_overflows_fp16_attention_logits(tmp_store):
-    specs = P.logit_grid(3, [0], init_scales=[1.0, 1000.0], block_sizes=[32], hp=TINY)
+    specs = study.logit_grid(3, [0], init_scales=[1.0, 1000.0], block_sizes=[32], hp=TINY)
     recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
     assert all(r.status in ("ok", "diverged") for r in recs)
-    t = P.logit_table(load_runs(specs, store=tmp_store)).set_index(["precision", "init_scale"])
+    t = study.logit_table(load_runs(specs, store=tmp_store)).set_index(["precision", "init_scale"])
     assert t.loc[("float32", 1.0), "headroom0"] < 1e-2
     assert t.loc[("float32", 1000.0), "headroom0"] > 1.0  # the float32 twin predicts the overflow
     assert t.loc[("float32", 1000.0), "status"] == "ok"
@@ -257,13 +258,13 @@ def test_lm_large_init_overflows_fp16_attention_logits(tmp_store):
 
 
 def test_grid_builders_and_labels():
-    specs = P.precision_grid(10, [0, 1], hp=dict(TINY, scaler_growth_interval=5))
+    specs = study.precision_grid(10, [0, 1], hp=dict(TINY, scaler_growth_interval=5))
     assert len(specs) == 10 and len({s.spec_hash for s in specs}) == 10
     assert {s.get("scaler_growth_interval") for s in specs} == {None, 5}
-    ov = P.overflow_grid(10, [0], [1.0, 1e8], start=5, hp=TINY)
+    ov = study.overflow_grid(10, [0], [1.0, 1e8], start=5, hp=TINY)
     assert len(ov) == 8 and all(s.perturbations[0].kind == "loss_scale" for s in ov)
     with pytest.raises(ValueError, match="valid: float32"):
-        P.precision_hparams("fp8")
+        study.precision_hparams("fp8")
 
 
 def _fake_runs():
@@ -283,7 +284,7 @@ def _fake_runs():
             lost[i] = 1.0 - lr[i]  # perfectly anti-correlated with lr
             scale[i] = [2.0**16] * 5 + [2.0**15] * 5
             skipped[i, 4] = 1.0
-    hp = {k: [P.PRECISIONS[p][k] for p, _, _ in rows] for k in ("autocast_dtype", "param_dtype", "grad_scaler")}
+    hp = {k: [study.PRECISIONS[p][k] for p, _, _ in rows] for k in ("autocast_dtype", "param_dtype", "grad_scaler")}
     return xr.Dataset(
         {"loss": (("run", "step"), loss), "lr": (("run", "step"), lr), "lost_update_frac": (("run", "step"), lost),
          "loss_scale": (("run", "step"), scale), "skipped_step": (("run", "step"), skipped),
@@ -295,22 +296,22 @@ def _fake_runs():
 
 def test_analyses_on_known_numbers():
     runs = _fake_runs()
-    assert P.precision_labels(runs).values.tolist()[:4] == ["float32"] * 4
-    s = P.run_summary(runs, tail=0.2)
+    assert study.precision_labels(runs).values.tolist()[:4] == ["float32"] * 4
+    s = study.run_summary(runs, tail=0.2)
     sc = s[s.precision == "fp16_autocast_scaler"].iloc[0]
     assert (sc.skipped_steps, sc.nonfinite_steps, sc.scale_backoffs, sc.scale_growths) == (1, 1, 1, 0)
     assert (sc.loss_scale_max, sc.loss_scale_final) == (2.0**16, 2.0**15)
-    gap = P.loss_gap_vs_reference(s[s.pert_dose == 1.0], "float32")
+    gap = study.loss_gap_vs_reference(s[s.pert_dose == 1.0], "float32")
     assert gap.loc["fp16_autocast_scaler", "mean_diff"] == pytest.approx(0.02)
     assert gap.loc["fp16_autocast_scaler", "n"] == 2
-    ov = P.overflow_table(s)
+    ov = study.overflow_table(s)
     assert ov.loc[("float32", 1e8), "excess_final_loss"] == pytest.approx(0.5)
     assert ov.loc[("fp16_autocast_scaler", 1e8), "excess_final_loss"] == pytest.approx(0.0)
-    rho = P.lost_update_vs_lr(runs).dropna()
+    rho = study.lost_update_vs_lr(runs).dropna()
     assert (rho.precision == "fp16_autocast_scaler").all() and np.allclose(rho.rho, -1.0)
     with pytest.raises(ValueError, match="share a"):
-        P.by_precision(runs, "loss")
-    a = P.by_precision(runs.where(runs.pert_dose == 1.0, drop=True), "loss")
+        study.by_precision(runs, "loss")
+    a = study.by_precision(runs.where(runs.pert_dose == 1.0, drop=True), "loss")
     assert a.dims == ("precision", "seed", "step") and a.precision.values.tolist() == ["float32", "fp16_autocast_scaler"]
     np.testing.assert_allclose((a - a.sel(precision="float32")).sel(precision="fp16_autocast_scaler"), 0.02)
 
@@ -347,9 +348,9 @@ def _claims_inputs(skipped_match: bool = True, fp16_overflows_at_300: bool = Tru
 
 def test_precision_claims_table_verdicts_follow_the_data():
     sum_a, sum_b, overflow, rho, logit = _claims_inputs()
-    pred = P.overflow_prediction(logit)
+    pred = study.overflow_prediction(logit)
     assert pred.predicted_overflow.tolist() == [False, True] and pred.fp16_diverged.tolist() == [False, True]
-    t = P.claims_table(sum_a, sum_b, overflow, rho, pred, logit).set_index("claim")["supported?"]
+    t = study.claims_table(sum_a, sum_b, overflow, rho, pred, logit).set_index("claim")["supported?"]
     assert t["GradScaler skips every step with inf/NaN gradients and halves the scale"] == "yes"
     assert t["an fp16 overflow reaching Adam (no scaler) corrupts its state; the run does not recover"] == "yes"
     assert t["with GradScaler the same overflow is skipped and training continues"] == "yes"
@@ -359,7 +360,7 @@ def test_precision_claims_table_verdicts_follow_the_data():
     assert t["bf16 autocast reaches float32's final loss (paired CI contains 0)"] == "n/a"  # no interval given
 
     sum_a, sum_b, overflow, rho, logit = _claims_inputs(skipped_match=False, fp16_overflows_at_300=False)
-    t = P.claims_table(sum_a, sum_b, overflow, rho, P.overflow_prediction(logit), logit)
+    t = study.claims_table(sum_a, sum_b, overflow, rho, study.overflow_prediction(logit), logit)
     t = t.set_index("claim")["supported?"]
     assert t["GradScaler skips every step with inf/NaN gradients and halves the scale"] == "no"
     assert t["the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow"] == "no"

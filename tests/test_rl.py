@@ -6,9 +6,10 @@ import pytest
 import torch
 import xarray as xr
 
-from stabstudy import rl
-from stabstudy.perturb import Schedule
-from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.analysis.studies import rl_comparison as study
+from stabstudy.interventions.perturb import Perturbation, Schedule
+from stabstudy.learners.rl import learner as rl
+from stabstudy.spec import RunSpec
 
 torch.set_num_threads(1)
 
@@ -184,30 +185,30 @@ def test_on_policy_rows_are_flagged_when_their_rollout_overlapped_the_window():
 def test_unknown_env_and_hparam_raise_clear_errors():
     with pytest.raises(ValueError, match="unknown gymnasium environment"):
         rl.run(RunSpec("rl", "sac", "NoSuchEnv-v0", 100, 0))
-    with pytest.raises(ValueError, match="unknown hyperparameters"):
-        rl.run(RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3}))
+    with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['hiden'\].*valid: .*\bhidden\b"):
+        RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3})
 
 
 def test_grids_and_summary(tmp_path):
-    from stabstudy.runner import run_grid
-    from stabstudy.store import RunStore, load_runs
+    from stabstudy.run.runner import run_grid
+    from stabstudy.run.store import RunStore, load_runs
 
-    specs = rl.comparison_grid(["ppo", "sac"], ["none", "lr_spike"], [0], 192, task="Pendulum-v1",
+    specs = study.comparison_grid(["ppo", "sac"], ["none", "lr_spike"], [0], 192, task="Pendulum-v1",
                                hparams={a: TINY[a] for a in TINY}, eval_every=64)
     assert len(specs) == 4
     ppo_spike = [s for s in specs if s.learner == "ppo" and s.perturbations][0]
     assert ppo_spike.perturbations[0].duration >= 64  # widened to contain a rollout end
-    doses = rl.dose_grid(["sac"], [3.0, 30.0], [0, 1], 192, task="Pendulum-v1")
+    doses = study.dose_grid(["sac"], [3.0, 30.0], [0, 1], 192, task="Pendulum-v1")
     assert sorted({s.perturbations[0].dose for s in doses}) == [3.0, 30.0] and len(doses) == 4
-    noise = rl.noise_grid({"sac": [-1.0, 1.0], "td3": [0.05]}, [0], 192, task="Pendulum-v1")
+    noise = study.noise_grid({"sac": [-1.0, 1.0], "td3": [0.05]}, [0], 192, task="Pendulum-v1")
     assert {s.get("target_entropy") for s in noise if s.learner == "sac"} == {-1.0, 1.0}
     store = RunStore(tmp_path)
     recs = run_grid(specs, scheduler="serial", store=store, progress=False)
     assert all(r.status == "ok" for r in recs)
     ds = load_runs(specs, store=store)
-    curves = rl.eval_curves(ds)
+    curves = study.eval_curves(ds)
     assert curves.dims == ("run", "env_step") and np.isfinite(curves.values[:, 0]).all()
-    table = rl.summarize(ds)
+    table = study.summarize(ds)
     assert len(table) == 4 and set(table.learner) == {"ppo", "sac"}
     assert table.stability.between(0, 1).all() and table.collapsed.isin([0.0, 1.0]).all()
 
@@ -230,8 +231,8 @@ def test_summary_of_a_run_does_not_depend_on_the_other_runs():
     a = ("A", [0, 999, 1999, 2999, 3999, 4999], [0.0, 100.0, 200.0, 50.0, 60.0, 70.0])
     b = ("B", [0, 1024, 2048, 3072, 4096, 5120], [0.0, 10.0, 20.0, 30.0, 40.0, 50.0])
     cols = ["pre_return", "final_return", "collapsed", "min_level", "max_drawdown", "recovery_time", "stability"]
-    alone = rl.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
-    mixed = rl.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
+    alone = study.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
+    mixed = study.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
     assert alone.astype(float).tolist() == mixed.astype(float).tolist()
     assert alone.pre_return == 100.0 and alone.final_return == 60.0 and alone.collapsed == 0.0  # 50 is not < 0.5 * 100
 
@@ -252,28 +253,28 @@ def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scal
 
 
 def test_claims_table_verdicts_follow_the_data():
-    t = rl.claims_table(_table(1.0, 0.0, n=8), scale=2000.0)
+    t = study.claims_table(_table(1.0, 0.0, n=8), scale=2000.0)
     v = dict(zip(t["claim"], t["supported?"], strict=True))
     assert v["PPO collapses irreversibly after a single learning-rate spike"] == "supported"
     assert v["SAC keeps learning after a single learning-rate spike"] == "supported"
     assert v["returns before the spike are comparable across algorithms"] == "supported"
     assert v["same pattern under action noise (ppo collapses, sac, td3 do not)"] == "supported"
-    t2 = rl.claims_table(_table(0.0, 0.0, n=8), scale=2000.0)
+    t2 = study.claims_table(_table(0.0, 0.0, n=8), scale=2000.0)
     v2 = dict(zip(t2["claim"], t2["supported?"], strict=True))
     assert v2["PPO collapses irreversibly after a single learning-rate spike"] == "not supported"
     # 2 of 2 collapsing leaves a 95% interval that straddles 50%: no verdict, only a lean
-    v3 = dict(zip(*rl.claims_table(_table(1.0, 0.0, n=2), scale=2000.0)[["claim", "supported?"]].T.values, strict=True))
+    v3 = dict(zip(*study.claims_table(_table(1.0, 0.0, n=2), scale=2000.0)[["claim", "supported?"]].T.values, strict=True))
     assert v3["PPO collapses irreversibly after a single learning-rate spike"] == "inconclusive (leans for)"
     assert "0% of 8 runs collapsed" in t2.set_index("claim").loc[
         "PPO collapses irreversibly after a single learning-rate spike", "our measurement"]
-    g = rl.group_summary(_table(0.5, 0.0))
+    g = study.group_summary(_table(0.5, 0.0))
     assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
     # a run without a verdict (NaN) is in neither the fraction nor its denominator n
     t = _table(0.5, 0.0)
     t.loc[(t.learner == "ppo") & (t.pert_kind == "lr_spike") & (t.seed == 3), "collapsed"] = np.nan
-    row = rl.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
+    row = study.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
     assert row.n == 3 and row.p_collapse == pytest.approx(2 / 3)
-    per, crit = rl.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"])
+    per, crit = study.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"])
     assert set(crit) == {"ppo", "sac", "td3"} and np.isnan(crit["sac"].dose)
 
 

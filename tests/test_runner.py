@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy import runner
-from stabstudy.runner import run_grid, summarize
-from stabstudy.spec import Perturbation, RunSpec
-from stabstudy.store import load_runs
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.run import runner
+from stabstudy.run.runner import run_grid, summarize
+from stabstudy.run.store import load_runs
+from stabstudy.spec import RunSpec
 
 
 def toy(seed: int = 0, steps: int = 25, **hp) -> RunSpec:
@@ -35,12 +36,12 @@ def test_same_spec_same_trajectory(tmp_store):
 
 
 def test_failure_is_recorded_and_the_grid_goes_on(tmp_store):
-    bad = toy(0, activation="no-such-activation")
+    bad = toy(0).replace(task="no-such-task")  # valid spec, raises in the learner
     good = toy(1)
     recs = run_grid([bad, good], scheduler="serial", store=tmp_store, progress=False)
     assert [r.status for r in recs] == ["failed", "ok"]
     stored = tmp_store.load(bad)
-    assert stored.attrs["status"] == "failed" and "no-such-activation" in stored.attrs["error"]
+    assert stored.attrs["status"] == "failed" and "no-such-task" in stored.attrs["error"]
     # failed runs are data: not retried unless asked
     assert run_grid([bad], scheduler="serial", store=tmp_store, progress=False)[0].cached
     assert not run_grid([bad], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)[0].cached
@@ -85,7 +86,7 @@ def test_diverged_run_is_data(tmp_store):
 
 
 def test_two_worker_local_cluster_matches_serial(tmp_store, tmp_path):
-    from stabstudy.store import RunStore
+    from stabstudy.run.store import RunStore
 
     specs = [toy(s) for s in range(3)] + [
         toy(0).replace(perturbations=(Perturbation("lr_spike", 10, duration=3, dose=5.0),))]
@@ -102,7 +103,7 @@ def test_two_worker_local_cluster_matches_serial(tmp_store, tmp_path):
 
 
 def test_runs_of_another_results_version_are_recomputed(tmp_store, monkeypatch, capsys):
-    from stabstudy import toy as toy_learner
+    from stabstudy.learners import toy as toy_learner
 
     s = toy(0)
     run_grid([s], scheduler="serial", store=tmp_store, progress=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy import stats
+from stabstudy.analysis import stats
 
 
 def test_cvar_hand_computed():

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy.spec import Perturbation, RunSpec
-from stabstudy.store import SHARED_CHANNELS, CorruptRunError, load_runs
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.run.store import SHARED_CHANNELS, CorruptRunError, load_runs
+from stabstudy.spec import RunSpec
 
 
 def toy_spec(seed=0, **hp):
@@ -20,7 +21,7 @@ def trajectory(n=12, **extra):
 
 
 def test_save_load_roundtrip_with_provenance(tmp_store):
-    s = RunSpec("toy", "adam", "digits", 12, 3, {"lr": 0.01, "betas": [0.9, 0.99]},
+    s = RunSpec("toy", "adam", "digits", 12, 3, {"lr": 0.01, "beta2": 0.99},
                 (Perturbation("lr_spike", 4, duration=2, dose=10.0),))
     path = tmp_store.save(trajectory(), s, "ok", wall_time_s=1.5)
     assert path == tmp_store.path(s) and path.name == f"{s.spec_hash}.nc"

@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from stabstudy import kernels
-from stabstudy.telemetry import OPT_CHANNELS, Monitor, gradient_coherence
+from stabstudy.instruments.telemetry import OPT_CHANNELS, Monitor, gradient_coherence, kernels
 
 W0 = np.array([[0.5, -0.3, 0.8], [0.1, 0.4, -0.6]])
 B0 = np.array([0.2, -0.1])
@@ -21,7 +20,7 @@ Y = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [-1.0, 0.5]])
 
 
 # (dtype, backend, rel. tolerance): float64 goes through the Monitor's torch ops, float32 through
-# its fused C kernels (stabstudy.kernels); both against the float64 numpy reference
+# its fused C kernels (stabstudy.instruments.telemetry.kernels); both against the float64 numpy reference
 PRECISIONS = [pytest.param(torch.float64, "torch", 1e-6, id="float64-torch"),
               pytest.param(torch.float32, "fused", 2e-5, id="float32-fused",
                            marks=pytest.mark.skipif(kernels.load() is None and not os.environ.get("CI"),

@@ -6,16 +6,17 @@ import numpy as np
 import pytest
 import xarray as xr
 
-from stabstudy import toy
-from stabstudy.runner import run_grid
-from stabstudy.spec import Perturbation
-from stabstudy.store import load_runs
+from stabstudy.analysis.studies import calibration as study
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.learners import toy
+from stabstudy.run.runner import run_grid
+from stabstudy.run.store import load_runs
 
 SMALL = {"width": 16, "depth": 1, "n_train": 128, "n_test": 64}
 
 
 def spec(learner="gd", steps=30, seed=0, perts=(), curvature_every=0, task="digits", **hp):
-    return toy.base_spec(learner, steps, seed, task, curvature_every=curvature_every,
+    return study.base_spec(learner, steps, seed, task, curvature_every=curvature_every,
                          perturbations=perts, **{**SMALL, **hp})
 
 
@@ -91,27 +92,27 @@ def test_lr_spike_and_loss_scale_exact_effects():
 
 
 def test_unknown_hparam_and_task_are_rejected():
-    with pytest.raises(ValueError, match="unknown toy hyperparameters"):
-        toy.run(spec("gd", steps=2, lrr=0.1))
+    with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['lrr'\].*valid: .*\blr\b"):
+        spec("gd", steps=2, lrr=0.1)  # when the spec is built, not when it runs
     with pytest.raises(ValueError, match="unknown toy task"):
         toy.run(spec("gd", steps=2, task="mnist"))
 
 
 def test_calibration_grid_through_run_grid_and_tables(tmp_store):
-    grid = toy.calibration_grid([0.5], [0.01], gd_steps=24, adam_steps=24, curvature_every=4,
+    grid = study.calibration_grid([0.5], [0.01], gd_steps=24, adam_steps=24, curvature_every=4,
                                 spike_start=12, spike_duration=3, spike_steps=24, spike_curvature_every=2, **SMALL)
     specs = [s for v in grid.values() for s in v]
     assert len(grid["spike"]) == 2 and grid["spike"][1].perturbations[0].kind == "lr_spike"
     recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
     assert all(r.status == "ok" for r in recs), [r.error for r in recs]
     gd = load_runs(grid["gd"], store=tmp_store)
-    tab = toy.eos_table(gd, tail=0.5)
+    tab = study.eos_table(gd, tail=0.5)
     assert tab.loc[0, "target"] == pytest.approx(4.0) and tab.loc[0, "n_measurements"] >= 2
     assert np.isfinite(tab.loc[0, "ratio"])
-    adam = toy.eos_table(load_runs(grid["adam"], store=tmp_store), channel="precond_sharpness", beta1=0.9)
+    adam = study.eos_table(load_runs(grid["adam"], store=tmp_store), channel="precond_sharpness", beta1=0.9)
     assert adam.loc[0, "target"] == pytest.approx(3800.0)
     b, s = (tmp_store.load(x) for x in grid["spike"])
-    resp = toy.spike_response(b, s, start=12, duration=3, window=4)
+    resp = study.spike_response(b, s, start=12, duration=3, window=4)
     assert resp["loss_jump"] >= 1.0 and np.isfinite(resp["sharpness_drop"])
 
 
@@ -123,7 +124,7 @@ def test_spike_response_arithmetic():
     sp["loss"][5] = 6.0
     sp["grad_norm"][5] = 3.0
     sp["lambda_max"][6:] = 2.0
-    r = toy.spike_response(base, sp, start=5, duration=1, window=3)
+    r = study.spike_response(base, sp, start=5, duration=1, window=3)
     assert r["loss_jump"] == 6.0 and r["grad_norm_jump"] == 3.0
     assert r["sharpness_before"] == 4.0 and r["sharpness_after"] == 2.0 and r["sharpness_drop"] == 0.5
     assert r["baseline_sharpness_drop"] == 0.0
@@ -142,9 +143,9 @@ def test_claims_table_needs_three_learning_rates_not_three_runs():
     adam = pd.DataFrame([row(1e-3, 0)])
     spike = [{"check": "loss jump", "measured": 2.0, "passed": True}]
     two_lrs = pd.DataFrame([row(lr, s) for lr in (0.01, 0.02) for s in (0, 1)])  # 4 runs, 2 lrs
-    gd_claim = toy.claims_table(dense, two_lrs, adam, spike).iloc[1]["supported?"]
+    gd_claim = study.claims_table(dense, two_lrs, adam, spike).iloc[1]["supported?"]
     assert gd_claim == "not tested (only 2 learning rate(s))"
     three = pd.DataFrame([row(lr, 0) for lr in (0.01, 0.02, 0.04)])
-    assert toy.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "yes"
+    assert study.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "yes"
     three.loc[1, "passed"] = False
-    assert toy.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "no"
+    assert study.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "no"

@@ -24,14 +24,10 @@ import pandas as pd
 import xarray as xr
 
 from stabstudy import __version__, paths
-from stabstudy.perturb import Schedule
+from stabstudy.interventions.perturb import Schedule
+from stabstudy.registry import SHARED_CHANNELS
 from stabstudy.spec import RunSpec
 
-#: Channels every run carries (NaN where the learner cannot measure them).
-SHARED_CHANNELS: tuple[str, ...] = (
-    "loss", "perf", "grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
-    "adam_m_norm", "adam_v_mean", "adam_eps_frac", "lambda_max", "lr", "perturbed", "intervened",
-)
 STATUSES = ("ok", "diverged", "failed")
 ENGINE = "netcdf4"
 

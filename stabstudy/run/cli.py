@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stabstudy import paths, study
+from stabstudy import paths
+from stabstudy.run import study
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
@@ -25,7 +26,7 @@ def _cmd_study(args: argparse.Namespace) -> int:
 def _cmd_runs(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from stabstudy.store import RunStore
+    from stabstudy.run.store import RunStore
 
     store = RunStore(args.data) if args.data else RunStore()
     table = store.table()

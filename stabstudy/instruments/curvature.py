@@ -7,7 +7,7 @@ Adam-preconditioned sharpness.
   (``scipy.sparse.linalg.eigsh``, ``which="LA"``; Lehoucq, Sorensen & Yang 1998)
   on a :class:`scipy.sparse.linalg.LinearOperator` whose matvec is one HVP; it is
   indifferent to a dominant *negative* eigenvalue (seen in the small GPT of
-  :mod:`stabstudy.lm`), which stalls power iteration. ``method="power"`` keeps power iteration
+  :mod:`stabstudy.learners.lm`), which stalls power iteration. ``method="power"`` keeps power iteration
   for comparison, the method of PyHessian (Yao et al. 2020, "PyHessian: Neural networks
   through the lens of the Hessian"), plus a shifted second pass that PyHessian lacks: plain
   power iteration returns the eigenvalue of largest *magnitude* (measured in
@@ -25,7 +25,7 @@ Adam-preconditioned sharpness.
   "Adaptive gradient methods at the edge of stability"). The eigensolver runs on
   the symmetric P^{-1/2} H P^{-1/2}, which has the same eigenvalues.
 * :class:`CurvatureProbe`: measures all of the above every N steps into a
-  :class:`stabstudy.telemetry.Monitor` (``lambda_max`` etc., NaN in between).
+  :class:`stabstudy.instruments.telemetry.Monitor` (``lambda_max`` etc., NaN in between).
 
 Every function takes ``loss_fn``, a closure that computes the scalar loss on a
 *fixed* probe batch, and ``params``, the list of tensors to differentiate.
@@ -388,7 +388,7 @@ CURVATURE_CHANNELS = ("lambda_max", "sharpness_grad", "sharpness_update", "preco
 
 
 class CurvatureProbe:
-    """Measure curvature every ``every`` steps into a :class:`~stabstudy.telemetry.Monitor`.
+    """Measure curvature every ``every`` steps into a :class:`~stabstudy.instruments.telemetry.Monitor`.
 
     Call it right after ``optimizer.step()`` (after the Monitor recorded the step).
     It evaluates, at the parameters after the update, on the fixed probe batch of

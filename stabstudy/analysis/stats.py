@@ -5,7 +5,7 @@ Inputs are either numpy arrays with the shapes stated per function, or
 NaNs are dropped per curve) and, for across-run statistics, a dimension ``run``.
 Per-curve functions applied to a DataArray with more dims than ``step`` return
 one value per curve (a DataArray over the other dims), like
-:mod:`stabstudy.events`.
+:mod:`stabstudy.analysis.events`.
 
 Definitions follow Chan et al. 2020, "Measuring the reliability of reinforcement
 learning algorithms" (ICLR):
@@ -42,8 +42,8 @@ import xarray as xr
 from scipy import ndimage
 from scipy import stats as sps
 
-from stabstudy import events
-from stabstudy.events import _multi, as_series, map_runs
+from stabstudy.analysis import events
+from stabstudy.analysis.events import _multi, as_series, map_runs
 
 __all__ = [
     "CriticalDose",
@@ -218,7 +218,7 @@ def long_term_risk(x: Any, alpha: float = 0.05, steps: Any = None, dim: str = "s
     """LRT: CVaR (upper tail, ``alpha``) of the drawdown ``D_t = max_{s<=t} x_s - x_t``.
 
     Expected size of the worst ``alpha`` fraction of drawdowns, >= 0 (lower = safer).
-    The maximum drawdown itself is :func:`stabstudy.events.max_drawdown`.
+    The maximum drawdown itself is :func:`stabstudy.analysis.events.max_drawdown`.
     """
     if _multi(x, dim):
         return map_runs(long_term_risk, x, dim, alpha=alpha)
@@ -280,7 +280,7 @@ def stability_score(
 
     ``S = 1 - 0.5 * min(1, MDD / scale) - 0.5 * R`` where
 
-    * ``MDD`` is the maximum drawdown (:func:`stabstudy.events.max_drawdown`) of
+    * ``MDD`` is the maximum drawdown (:func:`stabstudy.analysis.events.max_drawdown`) of
       the pre-event baseline (mean of the last ``baseline_points`` values before
       ``event_step``) followed by the curve from ``event_step`` on; of the whole
       curve when ``event_step`` is None;
@@ -290,7 +290,7 @@ def stability_score(
       scores 1 whatever its level);
     * ``R`` is the recovery penalty: ``recovery_time / (last_step - event_step)``
       clipped to [0, 1], 1 when never recovered (``tol`` as in
-      :func:`stabstudy.events.recovery_time`); 0 when ``event_step`` is None.
+      :func:`stabstudy.analysis.events.recovery_time`); 0 when ``event_step`` is None.
 
     Only losses (drops and their duration) enter the score, never the level, so
     a run with a low but steady return scores as high as a high steady one:

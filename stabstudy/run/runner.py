@@ -14,30 +14,22 @@ Scheduler choice (first that applies): the ``scheduler`` argument, the
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import xarray as xr
 from tqdm.auto import tqdm
 
+from stabstudy.registry import learner_for
+from stabstudy.run.store import CorruptRunError, RunStore, code_identity
 from stabstudy.spec import RunSpec
-from stabstudy.store import CorruptRunError, RunStore, code_identity
 
 log = logging.getLogger(__name__)
-
-#: Domain -> "module:function" implementing ``run(spec) -> xr.Dataset``.
-LEARNER_ENTRY: dict[str, str] = {
-    "toy": "stabstudy.toy:run",
-    "rl": "stabstudy.rl:run",
-    "lm": "stabstudy.lm:run",
-}
-
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -49,14 +41,6 @@ class RunRecord:
     cached: bool
     wall_time_s: float
     error: str = ""
-
-
-def learner_for(domain: str) -> Callable[[RunSpec], xr.Dataset]:
-    """Import the learner function of ``domain``."""
-    if domain not in LEARNER_ENTRY:
-        raise ValueError(f"no learner for domain {domain!r}; valid domains: {', '.join(LEARNER_ENTRY)}")
-    mod, fn = LEARNER_ENTRY[domain].split(":")
-    return getattr(importlib.import_module(mod), fn)
 
 
 def results_version(domain: str) -> int:
@@ -93,7 +77,7 @@ def execute(spec: RunSpec, threads: int | None = None) -> tuple[xr.Dataset | Non
 
 
 def made_by(domain: str) -> dict:
-    """What a stored run records of the code that produced it: :func:`stabstudy.store.code_identity`
+    """What a stored run records of the code that produced it: :func:`stabstudy.run.store.code_identity`
     and the learner's :func:`results_version`, read where the run executes (a worker's code may
     differ from the client's)."""
     return {**code_identity(), "results_version": results_version(domain)}
@@ -261,4 +245,4 @@ def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
 
 
 __all__ = ["RunRecord", "run_grid", "execute", "pending", "get_client", "close_clients", "summarize",
-           "learner_for", "results_version", "CorruptRunError", "LEARNER_ENTRY"]
+           "learner_for", "results_version", "CorruptRunError"]

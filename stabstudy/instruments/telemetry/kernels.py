@@ -114,7 +114,7 @@ def load() -> Kernels | None:
             return None
         _try_load()
         if _loaded is None:
-            warnings.warn(f"stabstudy.kernels unavailable ({_reason}): the Monitor uses torch ops, which are "
+            warnings.warn(f"stabstudy.instruments.telemetry.kernels unavailable ({_reason}): the Monitor uses torch ops, which are "
                           "slower on the CPU", RuntimeWarning, stacklevel=2)
         return _loaded
 

@@ -18,7 +18,7 @@ Step axis and timing
   **environment steps** (``model.num_timesteps``; one training env).
 * The Dataset dimension ``step`` counts **gradient updates completed**: row ``s``
   describes the state after ``s`` updates; ``step = 0`` is the untrained policy.
-  Optimizer channels (``grad_norm``, ``lr``, ...; :class:`stabstudy.telemetry.Monitor`)
+  Optimizer channels (``grad_norm``, ``lr``, ...; :class:`stabstudy.instruments.telemetry.Monitor`)
   at row ``s`` describe the ``s``-th update. One update = one round of the
   algorithm's optimizers (SAC: entropy coefficient, critic, actor; TD3: critic and,
   every ``policy_delay`` rounds, actor; PPO/A2C: one minibatch step).
@@ -58,7 +58,7 @@ Perturbations (``spec.perturbations``)
 * ``obs_noise``: Gaussian noise of std ``dose`` added to the observations the agent sees.
 * ``reward_scale``: training rewards multiplied by ``dose``.
 * ``weight_noise``: once, at the first env step >= ``start``: Gaussian noise of
-  relative std ``dose`` on every policy parameter (:func:`stabstudy.perturb.add_weight_noise`).
+  relative std ``dose`` on every policy parameter (:func:`stabstudy.interventions.perturb.add_weight_noise`).
 * ``reinit_layer``: once, at ``start``; ``params={"layer": <policy submodule>}``.
 The env wrappers count their own ``env.step`` calls (one training env).
 
@@ -66,7 +66,7 @@ Divergence: non-finite or exploding (``> diverge_threshold``) losses, gradient
 norms, Q values, evaluation returns or parameters stop training; the run is
 returned with ``attrs["status"] = "diverged"`` and the data up to there.
 
-Hyperparameters (``spec.hparams``; defaults in :data:`DEFAULTS`): ``hidden``,
+Hyperparameters (``spec.hparams``; fields and defaults per learner in :mod:`stabstudy.hparams`): ``hidden``,
 ``layers`` (MLP size of policy and value nets), ``lr``, ``batch_size``, ``n_steps``,
 ``n_epochs``, ``gamma``, ``gae_lambda``, ``clip_range``, ``ent_coef`` (PPO/A2C: float;
 SAC: ``"auto"`` or float), ``target_entropy`` (SAC: ``"auto"`` or float),
@@ -81,15 +81,17 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import xarray as xr
 
-from stabstudy.perturb import Schedule, add_weight_noise, reinit_layer
+from stabstudy.hparams import defaults, merged
+from stabstudy.interventions.perturb import Perturbation, Schedule, add_weight_noise, reinit_layer
+from stabstudy.registry import LEARNERS, NOISE_KNOB, ON_POLICY, hparams_class
 from stabstudy.seeding import seed_everything
-from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.spec import RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
@@ -99,28 +101,7 @@ from stabstudy.spec import Perturbation, RunSpec
 #: overflowed the norm and were flagged as non-finite).
 RESULTS_VERSION = 3
 
-ALGOS = ("ppo", "sac", "td3", "a2c", "ddpg")
-ON_POLICY = ("ppo", "a2c")
-
-#: Hyperparameter defaults per learner (SB3 defaults unless noted; ``hidden`` x ``layers`` MLPs).
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "ppo": dict(hidden=64, layers=2, lr=3e-4, batch_size=64, n_steps=2048, n_epochs=10, gamma=0.99,
-                gae_lambda=0.95, clip_range=0.2, ent_coef=0.0),
-    "a2c": dict(hidden=64, layers=2, lr=7e-4, n_steps=5, gamma=0.99, gae_lambda=1.0, ent_coef=0.0),
-    "sac": dict(hidden=256, layers=2, lr=3e-4, batch_size=256, learning_starts=100, buffer_size=1_000_000,
-                train_freq=1, gradient_steps=1, tau=0.005, gamma=0.99, ent_coef="auto", target_entropy="auto"),
-    "td3": dict(hidden=256, layers=2, lr=1e-3, batch_size=256, learning_starts=100, buffer_size=1_000_000,
-                train_freq=1, gradient_steps=1, tau=0.005, gamma=0.99, policy_delay=2, action_noise_std=0.1),
-    "ddpg": dict(hidden=256, layers=2, lr=1e-3, batch_size=256, learning_starts=100, buffer_size=1_000_000,
-                 train_freq=1, gradient_steps=1, tau=0.005, gamma=0.99, action_noise_std=0.1),
-}
-#: Hyperparameters common to every learner.
-COMMON_DEFAULTS: dict[str, Any] = dict(eval_episodes=2, eval_max_steps=0, max_episode_steps=0, monitor_every=1,
-                                       diag_every=10, diverge_threshold=1e8)
-
-#: The algorithm's own stochasticity knob (hyperparameter name) per learner.
-NOISE_KNOB = {"ppo": "ent_coef", "a2c": "ent_coef", "sac": "target_entropy", "td3": "action_noise_std",
-              "ddpg": "action_noise_std"}
+ALGOS = tuple(LEARNERS["rl"])
 
 #: Channels this module records in addition to the Monitor's.
 RL_CHANNELS = ("perf", "episode_return", "entropy", "approx_kl", "clip_fraction", "value_loss", "q_mean",
@@ -154,7 +135,7 @@ def _route_mujoco_warnings() -> None:
     instead of printing them on every model compile (gymnasium's HalfCheetah-v5 XML triggers a
     deprecation warning each time) and appending them to MUJOCO_LOG.TXT. A handler the user
     installed is left alone."""
-    import mujoco  # a dependency (gymnasium[mujoco]); imported here to keep `import stabstudy.rl` light
+    import mujoco  # a dependency (gymnasium[mujoco]); imported here to keep `import stabstudy.learners.rl.learner` light
 
     if mujoco.get_mju_user_warning() is None:
         mujoco.set_mju_user_warning(lambda msg: warnings.warn(f"MuJoCo: {msg}", RuntimeWarning, stacklevel=2))
@@ -274,7 +255,7 @@ def optimizers_of(model) -> dict[str, Any]:
 
 
 def _finite_params(module) -> bool:
-    from stabstudy.precision import all_finite
+    from stabstudy.instruments.precision import all_finite
 
     return all_finite(module.parameters())
 
@@ -300,13 +281,13 @@ def _build_callback_class():
     BaseCallback = _sb3_callback_base()
 
     class StabilityCallback(BaseCallback):
-        """SB3 callback: telemetry (:class:`stabstudy.telemetry.Monitor` on every
+        """SB3 callback: telemetry (:class:`stabstudy.instruments.telemetry.Monitor` on every
         optimizer), perturbation schedule (``lr_spike``, ``weight_noise``,
         ``reinit_layer``; env-side kinds need :func:`make_env`'s wrapper),
         evaluation and RL diagnostics, divergence detection.
 
         Args:
-            schedule: a :class:`stabstudy.perturb.Schedule` (or perturbations); timing in env steps.
+            schedule: a :class:`stabstudy.interventions.perturb.Schedule` (or perturbations); timing in env steps.
             eval_env: a gymnasium env (not vectorised) for evaluation; None: no ``perf``.
             eval_every: evaluate every this many env steps (0: only at start and end).
             eval_episodes: episodes per evaluation (deterministic policy).
@@ -370,7 +351,7 @@ def _build_callback_class():
                     import warnings
 
                     warnings.warn(f"StabilityCallback: the schedule has env-side perturbations {env_kinds}; they act only "
-                                  "through the wrapper of stabstudy.rl.make_env, which this training env lacks",
+                                  "through the wrapper of stabstudy.learners.rl.learner.make_env, which this training env lacks",
                                   stacklevel=2)
             # 1) lr-spike hooks first, so the Monitor (registered after) sees the applied lr
             for opt in self.opts.values():
@@ -378,7 +359,7 @@ def _build_callback_class():
             counter = self.opts.get("critic", self.opts.get("policy"))
             self._handles.append(counter.register_step_post_hook(self._count))
             if self.use_monitor:
-                from stabstudy.telemetry import Monitor
+                from stabstudy.instruments.telemetry import Monitor
 
                 self.mon = Monitor(model.policy, self.opts, every=self.monitor_every)
             self._evaluate()  # step 0: the untrained policy
@@ -657,19 +638,15 @@ def __getattr__(name: str):
         if _CB_CLASS is None:
             _CB_CLASS = _build_callback_class()
         return _CB_CLASS
-    raise AttributeError(f"module 'stabstudy.rl' has no attribute {name!r}")
+    raise AttributeError(f"module 'stabstudy.learners.rl.learner' has no attribute {name!r}")
 
 
 # -- learner -------------------------------------------------------------------------
 
 
 def hparams_for(spec: RunSpec) -> dict[str, Any]:
-    """Defaults of the learner merged with ``spec.hparams`` (unknown names raise)."""
-    base = {**COMMON_DEFAULTS, **DEFAULTS[spec.learner]}
-    unknown = sorted(set(spec.hp) - set(base))
-    if unknown:
-        raise ValueError(f"unknown hyperparameters for {spec.learner}: {', '.join(unknown)}; valid: {', '.join(sorted(base))}")
-    return {**base, **spec.hp}
+    """The spec's hyperparameters over its learner's dataclass defaults (:mod:`stabstudy.hparams`)."""
+    return merged(hparams_class("rl", spec.learner), spec.hp, f"rl learner {spec.learner!r}")
 
 
 def build_model(spec: RunSpec, env=None):
@@ -724,7 +701,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     ``attrs["status"]`` ``"ok"`` or ``"diverged"`` (with ``diverge_reason``).
     """
     if spec.domain != "rl":
-        raise ValueError(f"stabstudy.rl.run handles domain 'rl', got {spec.domain!r}")
+        raise ValueError(f"stabstudy.learners.rl.learner.run handles domain 'rl', got {spec.domain!r}")
     check_env_id(spec.task)
     seed_everything(spec.seed)
     t0 = time.perf_counter()
@@ -766,7 +743,7 @@ ROLLOUT_FLAGGED = ("action_noise", "obs_noise", "reward_scale", "weight_noise", 
 
 def stale(spec: RunSpec, attrs: dict) -> str | None:
     """Why a stored run of ``spec`` no longer describes it, or None (see
-    :func:`stabstudy.runner.pending`)."""
+    :func:`stabstudy.run.runner.pending`)."""
     kinds = {p.kind for p in spec.perturbations}
     affected = kinds & {"weight_noise", "reinit_layer"} or (spec.learner in ON_POLICY and kinds & set(ROLLOUT_FLAGGED))
     have = int(attrs.get("perturbation_rows", 0))
@@ -775,388 +752,6 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
     if spec.learner == "td3" and int(attrs.get("monitor_own_steps", 0)) != MONITOR_OWN_STEPS:
         return "sampled the delayed actor's telemetry by rows, not by its own steps (monitor_own_steps 0)"
     return None
-
-
-# -- grids -----------------------------------------------------------------------------
-
-#: Default dose per perturbation kind for the comparison grid.
-DEFAULT_DOSES = {"lr_spike": 10.0, "action_noise": 0.5, "obs_noise": 0.5, "reward_scale": 10.0, "weight_noise": 0.5}
-
-
-def perturbation(kind: str, start: int, duration: int, dose: float | None = None, learner: str = "sac",
-                 hparams: Mapping[str, Any] | None = None) -> tuple[Perturbation, ...]:
-    """One perturbation (empty for ``"none"``). On-policy ``lr_spike`` windows are
-    widened to at least one rollout (``n_steps``) so they contain an update."""
-    if kind == "none":
-        return ()
-    dose = DEFAULT_DOSES.get(kind, 1.0) if dose is None else float(dose)
-    if kind == "lr_spike" and learner in ON_POLICY:
-        n_steps = int({**DEFAULTS[learner], **(hparams or {})}["n_steps"])
-        duration = max(duration, n_steps)
-    if kind in ("weight_noise", "reinit_layer"):
-        duration = max(duration, 1)
-    return (Perturbation(kind, int(start), int(duration), dose),)
-
-
-def comparison_grid(algos: Sequence[str], perturbations: Sequence[str], seeds: Iterable[int], steps: int, *,
-                    task: str = "HalfCheetah-v5", start: int | None = None, duration: int | None = None,
-                    doses: Mapping[str, float] | None = None, hparams: Mapping[str, Mapping[str, Any]] | None = None,
-                    common_hparams: Mapping[str, Any] | None = None, eval_every: int = 0,
-                    log_every: int = 1) -> list[RunSpec]:
-    """Specs for algorithms x perturbation kinds (``"none"`` = baseline) x seeds.
-
-    ``start`` (default ``steps // 2``) and ``duration`` (default ``steps // 20``) in
-    env steps; ``doses`` per kind (default :data:`DEFAULT_DOSES`); ``hparams`` per
-    algorithm merged over ``common_hparams``; ``eval_every`` (env steps, 0: ``steps // 20``)
-    and ``log_every`` (keep every this many per-update rows) go to the RunSpec.
-    """
-    start = steps // 2 if start is None else start
-    duration = max(1, steps // 20) if duration is None else duration
-    doses = {**DEFAULT_DOSES, **(doses or {})}
-    specs = []
-    for a in algos:
-        hp = {**(common_hparams or {}), **((hparams or {}).get(a, {}))}
-        for k in perturbations:
-            for s in seeds:
-                specs.append(RunSpec("rl", a, task, int(steps), int(s), hparams=hp,
-                                     perturbations=perturbation(k, start, duration, doses.get(k), a, hp),
-                                     eval_every=int(eval_every), log_every=int(log_every)))
-    return specs
-
-
-def dose_grid(algos: Sequence[str], doses: Sequence[float], seeds: Iterable[int], steps: int, *,
-              kind: str = "lr_spike", **kw) -> list[RunSpec]:
-    """Dose sweep of one perturbation kind: algorithms x doses x seeds (kwargs as :func:`comparison_grid`)."""
-    seeds = list(seeds)
-    out: list[RunSpec] = []
-    for d in doses:
-        out += comparison_grid(algos, [kind], seeds, steps, doses={kind: float(d)}, **kw)
-    return out
-
-
-def noise_grid(knob_values: Mapping[str, Sequence[Any]], seeds: Iterable[int], steps: int, *,
-               kind: str = "lr_spike", dose: float | None = None,
-               hparams: Mapping[str, Mapping[str, Any]] | None = None, **kw) -> list[RunSpec]:
-    """Controlled stochasticity: for each algorithm, vary its own noise knob
-    (:data:`NOISE_KNOB`) over ``knob_values[algo]`` under the same perturbation."""
-    seeds = list(seeds)
-    out: list[RunSpec] = []
-    for a, values in knob_values.items():
-        for v in values:
-            hp = {a: {**((hparams or {}).get(a, {})), NOISE_KNOB[a]: v}}
-            out += comparison_grid([a], [kind], seeds, steps, doses={kind: dose} if dose is not None else None,
-                                   hparams=hp, **kw)
-    return out
-
-
-# -- analysis helpers ------------------------------------------------------------------
-
-
-def eval_curves(ds: xr.Dataset, env_grid: Sequence[int] | None = None) -> xr.DataArray:
-    """Evaluation returns on a common env-step axis: DataArray ``(run, env_step)``.
-
-    ``ds``: from :func:`stabstudy.store.load_runs` (dims ``(run, step)``, 2-D
-    ``env_step`` coordinate) or one run (dim ``step``). ``perf`` at row ``s`` is the
-    return of the policy after ``s`` updates, which is the policy acting from env
-    step ``env_step[s]`` until the next update; each run's ``(env_step, perf)``
-    pairs are therefore placed on ``env_grid`` (default: the union of those env
-    steps) as a step function: the last measured policy at or before each grid
-    point (NaN before the first and after a run stopped).
-    """
-    if "run" not in ds.dims:
-        ds = ds.expand_dims(run=[0])
-    perf = ds["perf"].transpose("run", "step").values
-    env = ds["env_step"]
-    when = np.asarray(env.transpose("run", "step").values if "run" in env.dims
-                      else np.broadcast_to(env.values, perf.shape), dtype=float)
-    pairs = []
-    for i in range(perf.shape[0]):
-        ok = np.isfinite(perf[i]) & np.isfinite(when[i])
-        order = np.argsort(when[i][ok], kind="stable")
-        pairs.append((when[i][ok][order], perf[i][ok][order]))
-    if env_grid is None:
-        env_grid = np.unique(np.concatenate([w for w, _ in pairs])) if pairs else np.array([])
-    grid = np.asarray(env_grid, dtype=float)
-    out = np.full((perf.shape[0], grid.size), np.nan)
-    for i, (w, v) in enumerate(pairs):
-        if w.size == 0:
-            continue
-        idx = np.searchsorted(w, grid, side="right") - 1
-        ok = (idx >= 0) & (grid <= w[-1])
-        out[i, ok] = v[idx[ok]]
-    coords = {c: ("run", ds[c].values) for c in ds.coords if ds[c].dims == ("run",)}
-    coords.setdefault("spec_hash", ("run", ds["run"].values))  # load_runs: the run coordinate is the spec hash
-    coords["env_step"] = grid.astype(np.int64)
-    return xr.DataArray(out, dims=("run", "env_step"), coords=coords, name="perf")
-
-
-def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recover_frac: float = 0.8,
-              window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1):
-    """One row per run (pandas DataFrame): learner, perturbation, seed, noise knobs,
-    ``pre_return`` (baseline before the perturbation start), ``final_return`` (mean
-    of the last ``final_points`` evaluations), ``collapsed`` (:func:`stabstudy.events.collapse`
-    with ``frac``/``recover_frac``/``window`` in env steps and ``min_gain =
-    min_gain_frac * scale``, so a run that learned little before the event must
-    still lose ``(1 - frac) * min_gain_frac`` of the scale), ``min_level``,
-    ``max_drawdown``, ``recovery_time`` (env steps), ``stability`` (:func:`stabstudy.stats.stability_score`
-    with a shared ``scale``: default the spread between the median untrained return
-    and the best evaluation over all runs). Runs without a perturbation use the
-    grid's median perturbation start as a pseudo-event (so baselines get a
-    collapse rate too). A run with status ``diverged`` counts as collapsed.
-
-    Each run's numbers come from its own evaluations only (its own env steps): on the
-    union grid of all runs, the "last points" before an event or at the end would
-    include copies of its values placed at other runs' env steps, and a run's verdict
-    would depend on which other runs are in ``ds``.
-    """
-    import pandas as pd
-
-    from stabstudy import events, stats
-
-    if "run" not in ds.dims:
-        ds = ds.expand_dims(run=[0])
-    curves = eval_curves(ds)
-    starts = curves["pert_start"].values.astype(float) if "pert_start" in curves.coords else np.full(curves.sizes["run"], np.nan)
-    pseudo = float(np.nanmedian(starts)) if np.isfinite(starts).any() else float(curves.env_step.values[len(curves.env_step) // 2])
-    vals = curves.values
-    first = vals[:, 0] if vals.shape[1] else np.array([np.nan])
-    if scale is None:
-        scale = float(np.nanmax(vals) - np.nanmedian(first)) if np.isfinite(vals).any() else 1.0
-    rows = []
-    for i in range(curves.sizes["run"]):
-        c = eval_curves(ds.isel(run=[i])).isel(run=0).rename(env_step="step")
-        ev = starts[i] if np.isfinite(starts[i]) else pseudo
-        res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window,
-                              min_gain=min_gain_frac * scale)
-        fin = c.values[np.isfinite(c.values)]
-        row = {k: curves[k].values[i] for k in ("spec_hash", "learner", "seed", "pert_kind", "pert_dose", "pert_start",
-                                                  "status") if k in curves.coords}
-        for knob in set(NOISE_KNOB.values()):
-            if f"hp_{knob}" in curves.coords:
-                row[knob] = curves[f"hp_{knob}"].values[i]
-        row.update(
-            event=ev, pre_return=res.baseline, final_return=float(np.mean(fin[-final_points:])) if fin.size else np.nan,
-            collapsed=1.0 if row.get("status") == "diverged" else (float(res.collapsed) if np.isfinite(res.baseline) else np.nan),
-            min_level=res.min_level,
-            max_drawdown=events.max_drawdown(c, start=ev),
-            recovery_time=events.recovery_time(c, ev, abs_tol=0.1 * scale),
-            stability=stats.stability_score(c, ev, scale=scale),
-        )
-        rows.append(row)
-    out = pd.DataFrame(rows)
-    out.attrs["scale"] = scale
-    return out
-
-
-# -- group statistics and the claims ----------------------------------------------------
-
-
-def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
-    """Per group of :func:`summarize` rows: ``n`` (runs with a collapse verdict), IQM of ``pre_return``, ``final_return``,
-    ``stability``, collapse fraction ``p_collapse`` with a Clopper-Pearson 95% CI
-    (``p_low``, ``p_high``) and the number of ``diverged`` runs."""
-    import pandas as pd
-
-    from stabstudy import stats
-
-    rows = []
-    for key, g in table.groupby(list(by), sort=True, dropna=False):
-        key = key if isinstance(key, tuple) else (key,)
-        p, lo, hi = stats.collapse_probability(g["collapsed"].values)
-        # n: runs with a verdict, the denominator of p_collapse (a run without one is NaN there)
-        n = int(np.isfinite(g["collapsed"].to_numpy(float)).sum())
-        rows.append({**dict(zip(by, key, strict=True)), "n": n, "pre_return": stats.iqm(g["pre_return"]),
-                     "final_return": stats.iqm(g["final_return"]), "stability": stats.iqm(g["stability"]),
-                     "p_collapse": p, "p_low": lo, "p_high": hi,
-                     "diverged": int((g.get("status", pd.Series(dtype=str)) == "diverged").sum())})
-    return pd.DataFrame(rows)
-
-
-def dose_response(table, dose_col: str = "pert_dose", level: float = 0.5):
-    """Collapse probability per learner and dose, and the critical dose per learner.
-
-    Returns ``(per_dose, critical)``: a DataFrame (learner, dose, n, p_collapse,
-    p_low, p_high) and ``{learner: stats.CriticalDose}``.
-    """
-    from stabstudy import stats
-
-    per = group_summary(table, by=("learner", dose_col)).rename(columns={dose_col: "dose"})
-    crit = {a: stats.critical_dose(g[dose_col].values, g["collapsed"].values, level=level)
-            for a, g in table.groupby("learner")}
-    return per, crit
-
-
-def noise_response(table):
-    """Controlled stochasticity: per learner and value of its own noise knob
-    (:data:`NOISE_KNOB`), collapse probability and IQM stability / final return,
-    plus Spearman's rho of stability vs the knob value per learner (``rho``, ``p_value``).
-    Larger knob values = more stochasticity for every learner."""
-    import pandas as pd
-    from scipy.stats import spearmanr
-
-    from stabstudy import stats
-
-    rows, rhos = [], {}
-    for a, g in table.groupby("learner"):
-        knob = NOISE_KNOB[a]
-        if knob not in g:
-            continue
-        g = g.assign(noise=pd.to_numeric(g[knob], errors="coerce"))
-        for v, h in g.groupby("noise"):
-            p, lo, hi = stats.collapse_probability(h["collapsed"].values)
-            rows.append({"learner": a, "knob": knob, "noise": v, "n": len(h), "p_collapse": p, "p_low": lo,
-                         "p_high": hi, "stability": stats.iqm(h["stability"]), "final_return": stats.iqm(h["final_return"])})
-        ok = g["noise"].notna() & g["stability"].notna()
-        if ok.sum() >= 3 and g.loc[ok, "noise"].nunique() > 1 and g.loc[ok, "stability"].nunique() > 1:
-            r = spearmanr(g.loc[ok, "noise"], g.loc[ok, "stability"])
-            rhos[a] = (float(r.statistic), float(r.pvalue))
-    out = pd.DataFrame(rows)
-    if len(out):
-        out["rho"] = out["learner"].map(lambda a: rhos.get(a, (np.nan, np.nan))[0])
-        out["p_value"] = out["learner"].map(lambda a: rhos.get(a, (np.nan, np.nan))[1])
-    return out
-
-
-def _p(g, learner, kind):
-    row = g[(g.learner == learner) & (g.pert_kind == kind)]
-    if row.empty:
-        return None
-    r = row.iloc[0]
-    return r
-
-
-def _fmt_p(r) -> str:
-    return f"{r.p_collapse:.0%} of {int(r.n)} runs collapsed (95% CI {r.p_low:.0%}-{r.p_high:.0%})"
-
-
-def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None, noise=None,
-                 on_policy: str = "ppo", off_policy: Sequence[str] = ("sac", "td3"), comparable_tol: float = 0.25):
-    """The claims of the original report against our data, one row per claim.
-
-    Args:
-        comp: :func:`summarize` table of the comparison grid (all perturbation kinds).
-        scale: the return scale used for stability (for "comparable returns").
-        dose_crit: ``{learner: CriticalDose}`` from :func:`dose_response`.
-        noise: :func:`noise_response` table.
-
-    Verdict rules (point estimates; the measurement column always gives n and the
-    Clopper-Pearson 95% CI; ``decisive`` says whether the CI excludes the 50% threshold):
-
-    * "X collapses": supported when X's collapse fraction >= 50% and above its
-      unperturbed rate; not supported otherwise. When the CI straddles 50% the
-      verdict is "inconclusive (leans for/against)" instead.
-    * "Y keeps learning": supported when Y's collapse fraction < 50% and the median
-      of (final - pre-perturbation return) >= 0; not supported otherwise.
-    * "comparable returns before": supported when the IQM pre-perturbation returns
-      differ by at most ``comparable_tol * scale``.
-    * "same pattern under K": supported when the on-policy collapse fraction >= 50%
-      and every off-policy one < 50%.
-    * decoupling: Spearman rho between final return and stability over perturbed
-      runs; supported when |rho| < 0.3, not supported when rho >= 0.3 with
-      p < 0.05, inconclusive otherwise (or n < 6).
-    * stochasticity buffers: mean over learners of Spearman rho(stability, noise
-      knob); supported when > 0.3, not supported when < -0.3, else inconclusive.
-    * critical dose: supported when the on-policy critical dose is below every
-      off-policy one (a NaN = never reached = above the tested range).
-    Any group with no runs gives "inconclusive".
-    """
-    import pandas as pd
-    from scipy.stats import spearmanr
-
-    g = group_summary(comp)
-    rows = []
-
-    def add(claim, meas, verdict, decisive=""):
-        rows.append({"claim": claim, "our measurement": meas, "supported?": verdict, "decisive": decisive})
-
-    def verdict(ok: bool, dec: str) -> str:
-        # A point estimate whose 95% interval straddles 50% decides nothing: say which way it leans.
-        if dec == "no":
-            return f"inconclusive (leans {'for' if ok else 'against'})"
-        return "supported" if ok else "not supported"
-
-    def med_gain(a, kind):
-        h = comp[(comp.learner == a) & (comp.pert_kind == kind)]
-        return float(np.nanmedian(h.final_return - h.pre_return)) if len(h) else np.nan
-
-    # 1. on-policy collapse under lr spike
-    for kind, label in (("lr_spike", "a single learning-rate spike"), ("action_noise", "action noise"),
-                        ("reward_scale", "a reward-scale perturbation")):
-        r, r0 = _p(g, on_policy, kind), _p(g, on_policy, "none")
-        if r is None:
-            add(f"{on_policy.upper()} collapses irreversibly after {label}", "no runs", "inconclusive")
-            continue
-        p0 = r0.p_collapse if r0 is not None else 0.0
-        sup = r.p_collapse >= 0.5 and r.p_collapse > p0
-        meas = _fmt_p(r) + (f"; unperturbed: {r0.p_collapse:.0%} of {int(r0.n)}" if r0 is not None else "")
-        dec = "yes" if (r.p_low > 0.5 or r.p_high < 0.5) else "no"
-        add(f"{on_policy.upper()} collapses irreversibly after {label}", meas, verdict(sup, dec), dec)
-        for a in off_policy:
-            q = _p(g, a, kind)
-            if q is None:
-                add(f"{a.upper()} keeps learning after {label}", "no runs", "inconclusive")
-                continue
-            gain = med_gain(a, kind)
-            ok = q.p_collapse < 0.5 and gain >= 0
-            dec = "yes" if (q.p_high < 0.5 or q.p_low > 0.5) else "no"
-            add(f"{a.upper()} keeps learning after {label}",
-                _fmt_p(q) + f"; median final - pre-perturbation return {gain:+.0f}", verdict(ok, dec), dec)
-        if kind == "lr_spike":
-            pre_on = r.pre_return
-            pre_off = [(_p(g, a, kind).pre_return if _p(g, a, kind) is not None else np.nan) for a in off_policy]
-            diffs = [abs(pre_on - x) for x in pre_off if np.isfinite(x)]
-            if diffs and np.isfinite(pre_on):
-                ok = max(diffs) <= comparable_tol * scale
-                add("returns before the spike are comparable across algorithms",
-                    f"IQM pre-spike return {on_policy}: {pre_on:.0f}; "
-                    + ", ".join(f"{a}: {x:.0f}" for a, x in zip(off_policy, pre_off, strict=True))
-                    + f" (tolerance {comparable_tol:.0%} of the return scale {scale:.0f})",
-                    "supported" if ok else "not supported")
-        else:
-            qs = [_p(g, a, kind) for a in off_policy]
-            if r is not None and all(q is not None for q in qs):
-                ok = r.p_collapse >= 0.5 and all(q.p_collapse < 0.5 for q in qs)
-                add(f"same pattern under {label} ({on_policy} collapses, {', '.join(off_policy)} do not)",
-                    f"collapse: {on_policy} {r.p_collapse:.0%}, "
-                    + ", ".join(f"{a} {q.p_collapse:.0%}" for a, q in zip(off_policy, qs, strict=True)),
-                    "supported" if ok else "not supported")
-    # decoupling
-    pert = comp[(comp.pert_kind != "none") & comp.final_return.notna() & comp.stability.notna()]
-    if len(pert) >= 6 and pert.stability.nunique() > 1 and pert.final_return.nunique() > 1:
-        res = spearmanr(pert.final_return, pert.stability)
-        rho, pv = float(res.statistic), float(res.pvalue)
-        verdict = "supported" if abs(rho) < 0.3 else ("not supported" if rho >= 0.3 and pv < 0.05 else "inconclusive")
-        order_f = g[g.pert_kind != "none"].groupby("learner").final_return.mean().sort_values(ascending=False)
-        order_s = g[g.pert_kind != "none"].groupby("learner").stability.mean().sort_values(ascending=False)
-        add("high final return is decoupled from stability",
-            f"Spearman rho(final return, stability) = {rho:+.2f} (p = {pv:.2g}, n = {len(pert)} perturbed runs); "
-            f"rank by final return: {' > '.join(order_f.index)}; by stability: {' > '.join(order_s.index)}",
-            verdict, "yes" if pv < 0.05 else "no")
-    else:
-        add("high final return is decoupled from stability", f"only {len(pert)} perturbed runs", "inconclusive")
-    # controlled stochasticity
-    if noise is not None and len(noise) and noise["rho"].notna().any():
-        per = noise.groupby("learner").rho.first().dropna()
-        m = float(per.mean())
-        verdict = "supported" if m > 0.3 else ("not supported" if m < -0.3 else "inconclusive")
-        add("more of the algorithm's own noise buffers the spike (higher stability)",
-            "Spearman rho(stability, noise knob): " + ", ".join(f"{a} {v:+.2f}" for a, v in per.items()), verdict)
-    else:
-        add("more of the algorithm's own noise buffers the spike (higher stability)", "not enough runs", "inconclusive")
-    # critical dose
-    if dose_crit:
-        def val(a):
-            c = dose_crit.get(a)
-            return np.inf if c is None or not np.isfinite(c.dose) else c.dose
-        if on_policy in dose_crit and any(a in dose_crit for a in off_policy):
-            cd = {a: val(a) for a in [on_policy, *off_policy] if a in dose_crit}
-            finite = [v for v in cd.values() if np.isfinite(v)]
-            verdict = "inconclusive" if not finite else (
-                "supported" if all(cd[on_policy] < v for a, v in cd.items() if a != on_policy) else "not supported")
-            add(f"{on_policy.upper()} has a lower critical lr-spike dose than {', '.join(off_policy)}",
-                "critical dose (50% collapse): " + ", ".join(
-                    f"{a} {'never reached' if not np.isfinite(v) else f'{v:.3g}'}" for a, v in cd.items()), verdict)
-    return pd.DataFrame(rows)
 
 
 def algo_hparams(algos: Sequence[str], task: str, common: Mapping[str, Any] | None = None,
@@ -1171,58 +766,10 @@ def algo_hparams(algos: Sequence[str], task: str, common: Mapping[str, Any] | No
     env.close()
     out = {}
     for a in algos:
-        valid = set(DEFAULTS[a]) | set(COMMON_DEFAULTS)
-        hp = {k: v for k, v in (common or {}).items() if k in valid}
+        base = defaults(hparams_class("rl", a))
+        hp = {k: v for k, v in (common or {}).items() if k in base}
         knob = NOISE_KNOB[a]
-        hp[knob] = -float(n_act) if knob == "target_entropy" else float(DEFAULTS[a][knob])
+        hp[knob] = -float(n_act) if knob == "target_entropy" else float(base[knob])
         hp.update((per_algo or {}).get(a, {}))
         out[a] = hp
     return out
-
-
-def reliability_table(curves: xr.DataArray, by: Sequence[str] = ("learner", "pert_kind"), window: int = 5,
-                      alpha: float = 0.05, smooth: int = 3, final_points: int = 3):
-    """Chan et al. 2020 reliability metrics per group of runs of :func:`eval_curves` output.
-
-    Columns: ``dispersion_time`` (median over runs of DT, window ``window``
-    evaluations), ``short_term_risk`` (median SRT, CVaR ``alpha`` of differences),
-    ``long_term_risk`` (median LRT, CVaR of drawdown), ``dispersion_runs`` (mean
-    over evaluation points of DR after a ``smooth``-point moving average),
-    ``risk_runs`` (RR: CVaR ``alpha`` of the final returns = mean of the last
-    ``final_points`` evaluations).
-    """
-    import pandas as pd
-
-    from stabstudy import stats
-
-    c = curves.rename(env_step="step")
-    keys = pd.DataFrame({k: c[k].values for k in by})
-    rows = []
-    for key, idx in keys.groupby(list(by)).groups.items():
-        sub = c.isel(run=np.asarray(list(idx)))
-        finals = [float(np.mean(v[np.isfinite(v)][-final_points:])) if np.isfinite(v).any() else np.nan
-                  for v in sub.values]
-        key = key if isinstance(key, tuple) else (key,)
-        rows.append({**dict(zip(by, key, strict=True)), "n": sub.sizes["run"],
-                     "dispersion_time": float(np.nanmedian(stats.dispersion_across_time(sub, window=window).values)),
-                     "short_term_risk": float(np.nanmedian(stats.short_term_risk(sub, alpha=alpha).values)),
-                     "long_term_risk": float(np.nanmedian(stats.long_term_risk(sub, alpha=alpha).values)),
-                     "dispersion_runs": float(np.nanmean(stats.dispersion_across_runs(sub, smooth=smooth).values))
-                     if sub.sizes["run"] > 1 else np.nan,
-                     "risk_runs": stats.risk_across_runs(finals, alpha=alpha)})
-    return pd.DataFrame(rows)
-
-
-def run_frame(ds: xr.Dataset, spec_hash: str, channels: Sequence[str], agg: str | None = None):
-    """One run of a :func:`stabstudy.store.load_runs` Dataset as a pandas DataFrame
-    indexed by ``env_step`` (rows of updates; channels absent in the Dataset are skipped).
-    ``agg`` (e.g. ``"median"``): aggregate the rows sharing an env step (the updates of
-    one on-policy ``train()`` call) with that pandas reduction."""
-    import pandas as pd
-
-    one = ds.sel(run=spec_hash)
-    env = one["env_step"].values
-    ok = np.isfinite(env.astype(float))
-    data = {ch: one[ch].values[ok] for ch in channels if ch in one}
-    frame = pd.DataFrame(data, index=pd.Index(env[ok].astype(np.int64), name="env_step"))
-    return frame.groupby(level=0).agg(agg) if agg else frame

@@ -7,7 +7,7 @@ GD, minibatch SGD or Adam, where the expected curvature dynamics are known.
 * Full-batch Adam: the preconditioned sharpness lambda_max(P^-1 H) settles near
   (2 + 2 beta1) / ((1 - beta1) lr) = 38/lr for beta1 = 0.9 (Cohen et al. 2022).
 
-``run(spec)`` follows the learner contract (:mod:`stabstudy.runner`): every
+``run(spec)`` follows the learner contract (:mod:`stabstudy.run.runner`): every
 RNG seeded from ``spec.seed``, a Dataset with dimension ``step`` (optimizer
 updates), status ``diverged`` on a non-finite or exploding loss. Tasks:
 
@@ -17,7 +17,7 @@ updates), status ``diverged`` on a non-finite or exploding loss. Tasks:
 * ``synthetic``: Gaussian inputs, targets from a fixed random tanh teacher;
   ``perf`` = minus the test loss.
 
-Hyperparameters (``spec.hparams``; defaults in :data:`DEFAULTS`): ``lr``,
+Hyperparameters (``spec.hparams``; fields and defaults in :class:`stabstudy.hparams.ToyHParams`): ``lr``,
 ``width``, ``depth`` (hidden layers), ``n_train``, ``n_test``, ``batch_size``
 (0 = full batch; ``gd`` is always full batch), ``beta1``, ``beta2``, ``eps``,
 ``momentum`` (sgd/gd), ``weight_decay``, ``activation`` (tanh|relu|elu|gelu),
@@ -28,11 +28,11 @@ Channels: the Monitor's (``grad_norm``, ``xgrad``, ``update_*``, ``adam_*``,
 ``lr``; every ``spec.log_every`` steps), ``loss`` (unscaled, every step),
 ``perf``, ``test_loss`` and (digits) ``train_acc`` every ``spec.eval_every``
 steps (default: 100 evaluations per run), ``perturbed``, and with
-``spec.curvature_every`` the :data:`stabstudy.curvature.CURVATURE_CHANNELS`
+``spec.curvature_every`` the :data:`stabstudy.instruments.curvature.CURVATURE_CHANNELS`
 (``lambda_max`` etc., on the first ``probe_size`` training examples, measured
 after the update of that step).
 
-Perturbations (:mod:`stabstudy.perturb`): ``lr_spike``, ``beta2_shift`` (Adam
+Perturbations (:mod:`stabstudy.interventions.perturb`): ``lr_spike``, ``beta2_shift`` (Adam
 only), ``grad_noise``, ``weight_noise``, ``reinit_layer`` (``params['layer']``,
 default ``layers.0``), ``outlier_batch`` (a ``dose`` fraction of the batch
 replaced by inputs of std ``outlier_scale`` with random one-hot targets),
@@ -43,19 +43,19 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 import xarray as xr
 
-from stabstudy import perturb
-from stabstudy.curvature import CURVATURE_CHANNELS, CurvatureProbe
-from stabstudy.perturb import Schedule
+from stabstudy.hparams import ToyHParams, merged
+from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
+from stabstudy.instruments.telemetry import Monitor
+from stabstudy.interventions import perturb
+from stabstudy.interventions.perturb import Schedule
 from stabstudy.seeding import seed_everything
-from stabstudy.spec import Perturbation, RunSpec
-from stabstudy.telemetry import Monitor
+from stabstudy.spec import RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
@@ -63,46 +63,15 @@ RESULTS_VERSION = 1
 
 TASKS = ("digits", "synthetic")
 
-DEFAULTS: dict[str, Any] = {
-    "lr": 0.05,            # learning rate
-    "width": 64,           # hidden units per layer
-    "depth": 2,            # hidden layers
-    "n_train": 512,        # training examples (full batch for gd)
-    "n_test": 512,         # test examples
-    "batch_size": 0,       # 0 = full batch (sgd default: 64)
-    "beta1": 0.9,          # Adam beta1
-    "beta2": 0.999,        # Adam beta2
-    "eps": 1e-8,           # Adam eps
-    "momentum": 0.0,       # heavy-ball momentum for gd/sgd
-    "weight_decay": 0.0,   # L2 (gd/sgd) or decoupled (adam: AdamW) weight decay
-    "activation": "tanh",  # tanh | relu | elu | gelu
-    "loss": "mse",         # mse (0.5 * mean squared error summed over outputs) | ce
-    "curv_iters": 20,      # Hessian-vector products per lambda_max measurement (Lanczos budget)
-    "curv_tol": 1e-3,      # eigensolver relative tolerance
-    "probe_size": 0,       # curvature probe batch (0 = the whole training set)
-    "diverge_loss": 1e6,   # a training loss above this counts as diverged
-    "data_seed": 0,        # which subset of the data (fixed across seeds by default)
-    "outlier_scale": 10.0, # std of outlier inputs (outlier_batch)
-    "synthetic_dim": 16,   # synthetic task: input dimension
-    "synthetic_out": 4,    # synthetic task: output dimension
-}
 
 _ACT = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "elu": torch.nn.ELU, "gelu": torch.nn.GELU}
 
 
 def hparams(spec: RunSpec) -> dict[str, Any]:
-    """The spec's hyperparameters over :data:`DEFAULTS` (unknown names raise)."""
-    unknown = set(spec.hp) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown toy hyperparameters {sorted(unknown)}; valid: {', '.join(DEFAULTS)}")
-    hp = {**DEFAULTS, **spec.hp}
-    if hp["activation"] not in _ACT:
-        raise ValueError(f"activation must be one of {', '.join(_ACT)}, got {hp['activation']!r}")
-    if hp["loss"] not in ("mse", "ce"):
-        raise ValueError(f"loss must be 'mse' or 'ce', got {hp['loss']!r}")
+    """The spec's hyperparameters over the :class:`~stabstudy.hparams.ToyHParams` defaults."""
     if spec.task not in TASKS:
         raise ValueError(f"unknown toy task {spec.task!r}; valid tasks: {', '.join(TASKS)}")
-    return hp
+    return merged(ToyHParams, spec.hp, f"toy learner {spec.learner!r}")
 
 
 class MLP(torch.nn.Module):
@@ -304,132 +273,18 @@ def _evaluate(model: torch.nn.Module, data: dict[str, torch.Tensor], loss_kind: 
     return res
 
 
-# -- grid builders and calibration analyses (notebook 00) ---------------------------------
-
-
-def base_spec(learner: str, steps: int, seed: int = 0, task: str = "digits", *, log_every: int = 1,
-              eval_every: int = 0, curvature_every: int = 0,
-              perturbations: Sequence[Perturbation] = (), **hp: Any) -> RunSpec:
-    """A toy RunSpec storing only the given hyperparameters (the rest are :data:`DEFAULTS`)."""
-    return RunSpec(domain="toy", learner=learner, task=task, steps=steps, seed=seed, hparams=hp,
-                   perturbations=tuple(perturbations), log_every=log_every, eval_every=eval_every,
-                   curvature_every=curvature_every)
-
-
-def adam_eos_target(lr: float, beta1: float) -> float:
-    """Adaptive edge of stability (Cohen et al. 2022): (2 + 2 beta1) / ((1 - beta1) lr)."""
-    return (2.0 + 2.0 * beta1) / ((1.0 - beta1) * lr)
-
-
-def calibration_grid(gd_lrs: Sequence[float], adam_lrs: Sequence[float], *, gd_steps: int, adam_steps: int,
-                     seeds: Sequence[int] = (0,), curvature_every: int = 10, spike_lr: float | None = None,
-                     spike_dose: float = 2.0, spike_start: int | None = None, spike_duration: int = 10,
-                     spike_steps: int | None = None, spike_curvature_every: int = 2,
-                     task: str = "digits", **hp: Any) -> dict[str, list[RunSpec]]:
-    """Specs for notebook 00: full-batch GD at each of ``gd_lrs`` (edge of stability),
-    full-batch Adam at each of ``adam_lrs`` (adaptive edge of stability), and a
-    baseline / ``lr_spike`` pair of GD runs at ``spike_lr`` (default: the first GD
-    lr) of ``spike_steps`` (default ``gd_steps``) steps, the spike multiplying the
-    lr by ``spike_dose`` on ``[spike_start, spike_start + spike_duration)``
-    (default start: 80% of the run), curvature every ``spike_curvature_every``.
-    ``hp`` go to every spec.
-
-    Returns ``{"gd": [...], "adam": [...], "spike": [...]}`` (spike: baseline then
-    spiked, per seed).
-    """
-    out: dict[str, list[RunSpec]] = {"gd": [], "adam": [], "spike": []}
-    for seed in seeds:
-        for lr in gd_lrs:
-            out["gd"].append(base_spec("gd", gd_steps, seed, task, curvature_every=curvature_every, lr=float(lr), **hp))
-        for lr in adam_lrs:
-            out["adam"].append(base_spec("adam", adam_steps, seed, task, curvature_every=curvature_every,
-                                         lr=float(lr), **hp))
-        s_lr = float(spike_lr if spike_lr is not None else gd_lrs[0])
-        s_steps = int(spike_steps or gd_steps)
-        start = spike_start if spike_start is not None else (s_steps * 4) // 5
-        pert = Perturbation("lr_spike", start=int(start), duration=int(spike_duration), dose=float(spike_dose))
-        for perts in ((), (pert,)):
-            out["spike"].append(base_spec("gd", s_steps, seed, task, curvature_every=spike_curvature_every,
-                                          lr=s_lr, perturbations=perts, **hp))
-    return out
-
-
-def _tail(da: xr.DataArray, frac: float) -> xr.DataArray:
-    """The last ``frac`` of the run's steps (NaN-free values of ``da``)."""
-    steps = da.step.values
-    finite = steps[np.isfinite(da.values)]
-    if finite.size == 0:
-        return da.isel(step=slice(0, 0))
-    cut = finite.max() - frac * (finite.max() + 1)
-    return da.where(da.step > cut).dropna("step")
-
-
-def eos_table(runs: xr.Dataset, *, tail: float = 0.4, tolerance: float = 0.2,
-              channel: str = "lambda_max", beta1: float | None = None) -> Any:
-    """Edge-of-stability check per run of ``runs`` (dims ``run, step`` from ``load_runs``).
-
-    For each run: the median of ``channel`` over the last ``tail`` fraction of
-    training, the target (2/lr for GD; :func:`adam_eos_target` when ``beta1`` is
-    given, for ``precond_sharpness``), their ratio and whether it lies within
-    ``1 +- tolerance``. Returns a pandas DataFrame.
-    """
-    import pandas as pd
-
-    rows = []
-    for r in range(runs.sizes["run"]):
-        one = runs.isel(run=r)
-        lr = float(one["hp_lr"])
-        target = 2.0 / lr if beta1 is None else adam_eos_target(lr, beta1)
-        vals = _tail(one[channel], tail).values
-        med = float(np.median(vals)) if vals.size else float("nan")
-        ratio = med / target
-        rows.append({"learner": str(one.learner.values), "seed": int(one.seed.values), "lr": lr, "target": target,
-                     f"median_{channel}": med, "ratio": ratio, "n_measurements": int(vals.size),
-                     "status": str(one.status.values),
-                     "passed": bool(np.isfinite(ratio) and abs(ratio - 1.0) <= tolerance)})
-    return pd.DataFrame(rows)
-
-
-def spike_response(baseline: xr.Dataset, spiked: xr.Dataset, start: int, duration: int,
-                   window: int = 20) -> dict[str, float]:
-    """Response of one run to an ``lr_spike`` on ``[start, start + duration)``, vs its baseline.
-
-    Returns: ``loss_jump`` (max loss in the window / baseline loss there),
-    ``grad_norm_jump`` (same for grad_norm), ``sharpness_before`` (median
-    lambda_max over ``window`` steps before the spike), ``sharpness_after``
-    (median over ``window`` steps after the window ends, in the spiked run),
-    ``sharpness_drop`` = 1 - after / before, and the same for the baseline run.
-    """
-    def win(ds, var, a, b):
-        da = ds[var].sel(step=slice(a, b - 1))
-        return da.values[np.isfinite(da.values)]
-
-    end = start + duration
-    a, b = start, end + window
-    loss_jump = np.max(win(spiked, "loss", a, b)) / np.max(win(baseline, "loss", a, b))
-    gn_jump = np.max(win(spiked, "grad_norm", a, b)) / np.max(win(baseline, "grad_norm", a, b))
-    before = np.median(win(spiked, "lambda_max", start - window, start))
-    after = np.median(win(spiked, "lambda_max", end + 1, end + 1 + window))
-    base_after = np.median(win(baseline, "lambda_max", end + 1, end + 1 + window))
-    return {"loss_jump": float(loss_jump), "grad_norm_jump": float(gn_jump),
-            "sharpness_before": float(before), "sharpness_after": float(after),
-            "sharpness_drop": float(1.0 - after / before),
-            "baseline_sharpness_after": float(base_after),
-            "baseline_sharpness_drop": float(1.0 - base_after / before)}
-
-
 def lambda_max_check(*, seed: int = 0, steps: int = 100, lr: float = 0.3, width: int = 16, depth: int = 1,
                      n_train: int = 256, iters: int = 20, tol: float = 1e-3, tolerance: float = 0.02,
                      task: str = "digits") -> dict[str, Any]:
     """Check (a) of notebook 00: Lanczos ``lambda_max`` vs the exact top
     eigenvalue of the dense Hessian, for a small MLP after ``steps`` of full-batch GD.
 
-    Returns :func:`stabstudy.curvature.check`'s dict plus ``n_params``,
+    Returns :func:`stabstudy.instruments.curvature.check`'s dict plus ``n_params``,
     ``iters_used``, ``power_s`` and ``dense_s`` (wall times).
     """
     import time
 
-    from stabstudy import curvature as cv
+    from stabstudy.instruments import curvature as cv
 
     torch.manual_seed(seed)
     data = load_task(task, n_train, 64, 0)
@@ -450,49 +305,3 @@ def lambda_max_check(*, seed: int = 0, steps: int = 100, lr: float = 0.3, width:
     out = cv.check("lambda_max vs dense top eigenvalue", res.value, exact, tolerance)
     out.update(n_params=sum(p.numel() for p in params), iters_used=res.iters, power_s=res.wall_s, dense_s=dense_s)
     return out
-
-
-def spike_checks(resp: dict[str, float], *, min_jump: float = 2.0, min_extra_drop: float = 0.2) -> list[dict[str, Any]]:
-    """Pass/fail of check (d) from :func:`spike_response`: the loss and the gradient
-    norm jump at least ``min_jump``-fold over the baseline, and the sharpness after
-    the spike falls by at least ``min_extra_drop`` (fraction of its value before)
-    more than the baseline's does over the same steps (the catapult)."""
-    extra = resp["sharpness_drop"] - resp["baseline_sharpness_drop"]
-    return [
-        {"check": "loss jump (x baseline)", "measured": resp["loss_jump"], "threshold": min_jump,
-         "passed": bool(resp["loss_jump"] >= min_jump)},
-        {"check": "grad-norm jump (x baseline)", "measured": resp["grad_norm_jump"], "threshold": min_jump,
-         "passed": bool(resp["grad_norm_jump"] >= min_jump)},
-        {"check": "extra sharpness drop after spike", "measured": extra, "threshold": min_extra_drop,
-         "passed": bool(np.isfinite(extra) and extra >= min_extra_drop)},
-    ]
-
-
-def claims_table(dense: dict[str, Any], gd: Any, adam: Any, spike: list[dict[str, Any]]) -> Any:
-    """The closing "claim | our measurement | supported?" table of notebook 00,
-    from check (a) (:func:`lambda_max_check`), (b) and (c) (:func:`eos_table`) and (d)
-    (:func:`spike_checks`)."""
-    import pandas as pd
-
-    def yes(ok: bool) -> str:
-        return "yes" if ok else "no"
-
-    rows = [
-        {"claim": "Lanczos lambda_max matches the dense Hessian's top eigenvalue (within "
-                  f"{dense['tolerance']:.0%})",
-         "our measurement": f"{dense['measured']:.4g} vs {dense['target']:.4g} "
-                            f"(rel. error {dense['rel_error']:.2%}, {dense['iters_used']} HVPs)",
-         "supported?": yes(dense["passed"])},
-        {"claim": "full-batch GD: sharpness rises then hovers at 2/lr (Cohen et al. 2021)",
-         "our measurement": "; ".join(f"lr={r.lr:g}: {r.ratio:.2f} x 2/lr" for r in gd.itertuples()),
-         # the claim is about >= 3 learning rates (rows are lr x seed)
-         "supported?": yes(bool(gd.passed.all())) if gd.lr.nunique() >= 3
-         else f"not tested (only {gd.lr.nunique()} learning rate(s))"},
-        {"claim": "full-batch Adam: preconditioned sharpness settles near 38/lr (Cohen et al. 2022)",
-         "our measurement": "; ".join(f"lr={r.lr:g}: {r.ratio:.2f} x 38/lr" for r in adam.itertuples()),
-         "supported?": yes(bool(len(adam) and adam.passed.all()))},
-        {"claim": "an lr spike at the edge of stability shows as loss and grad-norm jumps, then lower sharpness",
-         "our measurement": "; ".join(f"{c['check']}: {c['measured']:.3g}" for c in spike),
-         "supported?": yes(all(c["passed"] for c in spike))},
-    ]
-    return pd.DataFrame(rows)

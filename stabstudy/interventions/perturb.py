@@ -11,62 +11,97 @@ optimizer updates for the ``toy`` and ``lm`` domains, environment steps for ``rl
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # pragma: no cover
-    from stabstudy.spec import Perturbation
+from stabstudy.registry import KINDS, check_kind
 
-DIMENSIONS = ("optimization", "environment-data", "parametric", "learning-signal")
-DOMAINS = ("toy", "rl", "lm")
+
+def freeze(value: Any, where: str) -> Any:
+    """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: hyperparameter values must be finite, got {value!r}")
+        return value
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v, where) for v in value)
+    if isinstance(value, np.ndarray):  # a sequence, whatever its size (.item() would unwrap [64])
+        return freeze(value.tolist(), where)
+    if isinstance(value, np.generic):  # numpy scalar
+        return freeze(value.item(), where)
+    raise TypeError(f"{where}: hyperparameter values must be str/int/float/bool/None or sequences of them, got {type(value).__name__}")
+
+
+def thaw(value: Any) -> Any:
+    return [thaw(v) for v in value] if isinstance(value, tuple) else value
+
+
+def freeze_map(mapping: Mapping[str, Any] | tuple, where: str) -> tuple[tuple[str, Any], ...]:
+    items = mapping.items() if isinstance(mapping, Mapping) else tuple(mapping)
+    out = []
+    for k, v in items:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"{where}: keys must be identifiers, got {k!r}")
+        out.append((k, freeze(v, f"{where}[{k!r}]")))
+    return tuple(sorted(out))
 
 
 @dataclass(frozen=True)
-class Kind:
-    """What a perturbation kind does and where it applies."""
+class Perturbation:
+    """A disturbance of ``kind`` active on steps ``[start, start + duration)``.
 
-    name: str
-    dimension: str
-    domains: tuple[str, ...]
-    dose: str
-    """Meaning of ``Perturbation.dose`` for this kind."""
-    instantaneous: bool = False
-    """Applied once at ``start`` (duration is then the observation window label only)."""
+    ``dose`` means what :data:`stabstudy.interventions.perturb.KINDS` says for the kind (e.g. the
+    learning-rate factor of an ``lr_spike``). ``params`` carries kind-specific
+    options (e.g. ``{"layer": "blocks.0.attn"}`` for ``reinit_layer``).
+    """
 
+    kind: str
+    start: int
+    duration: int = 1
+    dose: float = 1.0
+    params: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
 
-KINDS: dict[str, Kind] = {
-    k.name: k
-    for k in (
-        Kind("lr_spike", "optimization", DOMAINS, "factor multiplying the learning rate"),
-        Kind("beta2_shift", "optimization", ("toy", "lm"), "new Adam beta2 while active"),
-        Kind("grad_noise", "optimization", ("toy", "lm"), "Gaussian noise std relative to the gradient RMS"),
-        Kind("no_warmup", "optimization", ("lm",), "ignored (1.0): the warmup phase is removed"),
-        Kind("weight_noise", "parametric", DOMAINS, "Gaussian noise std relative to each tensor's RMS", instantaneous=True),
-        Kind("reinit_layer", "parametric", DOMAINS, "fraction of the layer re-initialised (1.0 = whole layer)", instantaneous=True),
-        Kind("outlier_batch", "environment-data", ("toy", "lm"), "fraction of the batch replaced by outliers"),
-        Kind("action_noise", "environment-data", ("rl",), "Gaussian std added to actions, relative to the action range"),
-        Kind("obs_noise", "environment-data", ("rl",), "Gaussian std added to observations"),
-        Kind("reward_scale", "learning-signal", ("rl",), "factor multiplying the reward"),
-        Kind("loss_scale", "learning-signal", ("toy", "lm"), "factor multiplying the loss"),
-        Kind("precision_switch", "learning-signal", ("lm",), "ignored (1.0): params['dtype'] names the new autocast dtype"),
-    )
-}
+    def __post_init__(self) -> None:
+        check_kind(self.kind)
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
+            raise ValueError(f"perturbation {self.kind!r}: start must be an integer >= 0, got {self.start!r}")
+        if not isinstance(self.duration, int) or isinstance(self.duration, bool) or self.duration < 1:
+            raise ValueError(f"perturbation {self.kind!r}: duration must be an integer >= 1, got {self.duration!r}")
+        dose = float(self.dose)
+        if not math.isfinite(dose) or dose < 0:
+            raise ValueError(f"perturbation {self.kind!r}: dose must be a finite number >= 0, got {self.dose!r}")
+        object.__setattr__(self, "dose", dose)
+        object.__setattr__(self, "params", freeze_map(self.params, f"perturbation {self.kind!r} params"))
 
+    @property
+    def dimension(self) -> str:
+        """The stability dimension of this kind."""
+        return KINDS[self.kind].dimension
 
-def check_kind(kind: str, domain: str | None = None) -> Kind:
-    """Return the :class:`Kind` for ``kind``; raise ``ValueError`` naming valid choices."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown perturbation kind {kind!r}; valid kinds: {', '.join(sorted(KINDS))}")
-    k = KINDS[kind]
-    if domain is not None and domain not in k.domains:
-        valid = sorted(n for n, v in KINDS.items() if domain in v.domains)
-        raise ValueError(
-            f"perturbation {kind!r} does not apply to domain {domain!r} "
-            f"(it applies to {', '.join(k.domains)}); kinds valid for {domain!r}: {', '.join(valid)}"
-        )
-    return k
+    @property
+    def end(self) -> int:
+        """First step after the window."""
+        return self.start + self.duration
+
+    @property
+    def p(self) -> dict[str, Any]:
+        """``params`` as a plain dict."""
+        return {k: thaw(v) for k, v in self.params}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "start": self.start, "duration": self.duration, "dose": self.dose, "params": self.p}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Perturbation:
+        return cls(kind=d["kind"], start=int(d["start"]), duration=int(d.get("duration", 1)),
+                   dose=float(d.get("dose", 1.0)), params=d.get("params", {}))
+
 
 
 class Schedule:

@@ -39,7 +39,7 @@ With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step; the
 other channels on steps divisible by N (each optimizer's own steps; NaN in between). A measured step needs the
 gradient and the parameters before and after the update, Adam's m and v, and the
 previous step's gradient. On contiguous float32 CPU tensors (``backend="auto"``, the
-default) it takes three passes of the fused C kernels in :mod:`stabstudy.kernels`: one
+default) it takes three passes of the fused C kernels in :mod:`stabstudy.instruments.telemetry.kernels`: one
 over gradient and parameters in the pre-hook (copying both into a flat float32 buffer,
 summing g.g, g.g_prev, w.w), one forming the update in place after the step (u.u, u.g),
 one over Adam's state (m.m, sum v, #(v < thr)), each element read once. Elsewhere (GPU,
@@ -71,7 +71,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from stabstudy import kernels
+from stabstudy.instruments.telemetry import kernels
 
 #: Long names of the channels the Monitor records (attrs of ``to_dataset``).
 LONG_NAMES: dict[str, str] = {
@@ -245,7 +245,7 @@ class _OptState:
         self.last_measured = -1  # row whose update (negated) sits in buffer row 2
         self.params_at_measure: list[torch.Tensor] = []
         self.adam: _AdamCache | None = None
-        # fused path (stabstudy.kernels). Plain ``array.array``s, not numpy: in a training loop
+        # fused path (stabstudy.instruments.telemetry.kernels). Plain ``array.array``s, not numpy: in a training loop
         # the hooks run with cold caches, where numpy's heavier code paths cost tens of us per
         # call. out_g[3t:3t+3] = (g.g, g.g_prev, w.w) of tensor t, then the sums over tensors;
         # out_u[2t:2t+2] = (u.u, -u.g), then the sums; out_a = (m.m, sum v, #(v < thr)).
@@ -359,7 +359,7 @@ class Monitor:
         per_layer: also record ``layer_grad_norm`` and ``layer_update_ratio``
             on a ``layer`` dimension (one entry per parameter tensor).
         backend: one of :data:`BACKENDS`. "auto" computes a step's statistics with the fused
-            C kernels of :mod:`stabstudy.kernels` when its parameters, gradients and Adam
+            C kernels of :mod:`stabstudy.instruments.telemetry.kernels` when its parameters, gradients and Adam
             state are contiguous float32 CPU tensors and the kernels compiled, else with
             torch ops; "fused" raises instead of falling back; "torch" never uses them.
 

@@ -6,7 +6,7 @@ the ``step`` coordinate gives the time axis) or as a 1-D numpy array of shape
 ``(n_steps,)`` (time axis = ``steps`` argument, default ``arange(n_steps)``).
 
 A DataArray with more dimensions than ``step`` (e.g. ``(run, step)`` from
-:func:`stabstudy.store.load_runs`) is handled run by run and the result is a
+:func:`stabstudy.run.store.load_runs`) is handled run by run and the result is a
 DataArray over the remaining dimensions. ``event_step`` may then be a scalar
 or a DataArray over those dimensions (e.g. ``ds.pert_start``).
 

@@ -1,0 +1,311 @@
+"""Typed hyperparameters: one dataclass per learner, one documented field per knob.
+
+A :class:`~stabstudy.spec.RunSpec` stores only the hyperparameters it was given (so
+its hash does not change when a default does not); the learner merges them over
+the dataclass defaults. :func:`validate` runs when the spec is built, so a misspelt
+or mistyped name fails at once, naming the valid fields, instead of minutes later
+on a Dask worker. Every field carries a one-line docstring (as CleanRL's ``Args``);
+:func:`field_docs` reads them for the docs and the tests. No torch import here.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal
+
+
+@dataclass(frozen=True)
+class ToyHParams:
+    """Small MLPs for instrument calibration (learners ``gd``, ``sgd``, ``adam``)."""
+
+    lr: float = 0.05
+    """learning rate"""
+    width: int = 64
+    """hidden units per layer"""
+    depth: int = 2
+    """hidden layers"""
+    n_train: int = 512
+    """training examples (full batch for gd)"""
+    n_test: int = 512
+    """test examples"""
+    batch_size: int = 0
+    """minibatch size; 0 = full batch (sgd uses 64 then)"""
+    beta1: float = 0.9
+    """Adam beta1"""
+    beta2: float = 0.999
+    """Adam beta2"""
+    eps: float = 1e-8
+    """Adam epsilon"""
+    momentum: float = 0.0
+    """heavy-ball momentum for gd/sgd"""
+    weight_decay: float = 0.0
+    """L2 (gd/sgd) or decoupled (adam: AdamW) weight decay"""
+    activation: Literal["tanh", "relu", "elu", "gelu"] = "tanh"
+    """hidden-layer nonlinearity"""
+    loss: Literal["mse", "ce"] = "mse"
+    """mse (0.5 * squared error summed over outputs) or ce (cross-entropy)"""
+    curv_iters: int = 20
+    """Hessian-vector products per lambda_max measurement (Lanczos budget)"""
+    curv_tol: float = 1e-3
+    """eigensolver relative tolerance"""
+    probe_size: int = 0
+    """curvature probe batch (0 = the whole training set)"""
+    diverge_loss: float = 1e6
+    """a training loss above this counts as diverged"""
+    data_seed: int = 0
+    """which subset of the data (fixed across seeds by default)"""
+    outlier_scale: float = 10.0
+    """std of the outlier inputs of an outlier_batch"""
+    synthetic_dim: int = 16
+    """synthetic task: input dimension"""
+    synthetic_out: int = 4
+    """synthetic task: output dimension"""
+
+
+@dataclass(frozen=True)
+class GPTHParams:
+    """The byte-level GPT of the ``lm`` domain (learner ``gpt``)."""
+
+    n_layer: int = 2
+    """transformer blocks"""
+    n_head: int = 2
+    """attention heads"""
+    n_embd: int = 64
+    """residual width"""
+    block_size: int = 64
+    """context length (tokens)"""
+    dropout: float = 0.0
+    """dropout probability"""
+    qk_layernorm: bool = False
+    """LayerNorm on queries and keys"""
+    z_loss: float = 0.0
+    """z-loss coefficient (1e-4 in Wortsman et al. 2023)"""
+    init_scale: float = 1.0
+    """multiplier of the init std"""
+    tie_weights: bool = True
+    """tie embedding and output head"""
+    batch_size: int = 16
+    """sequences per step"""
+    lr: float = 1e-3
+    """peak learning rate"""
+    min_lr_frac: float = 0.1
+    """final lr of the cosine as a fraction of lr"""
+    warmup: int = 10
+    """linear warmup steps"""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only)"""
+    beta1: float = 0.9
+    """Adam beta1"""
+    beta2: float = 0.95
+    """Adam beta2"""
+    eps: float = 1e-8
+    """Adam epsilon"""
+    grad_clip: float = 0.0
+    """global grad-norm clip (0 = off)"""
+    corpus_bytes: int = 1_000_000
+    """corpus size cap (bytes)"""
+    val_frac: float = 0.1
+    """validation fraction of the corpus"""
+    eval_batches: int = 4
+    """validation batches per evaluation"""
+    diag_every: int = 0
+    """cadence of attention/logit diagnostics (0 = spec.log_every)"""
+    curvature_iters: int = 20
+    """Hessian-vector products per lambda_max measurement (Lanczos budget)"""
+    autocast_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """autocast dtype of the forward pass"""
+    param_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """storage dtype of parameters and Adam state"""
+    grad_scaler: bool = False
+    """dynamic loss scaling with torch.amp.GradScaler"""
+    scaler_growth_interval: int = 2000
+    """clean steps before the GradScaler doubles its scale (torch default 2000)"""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """where to train: auto = CUDA when present"""
+
+
+@dataclass(frozen=True)
+class RLCommon:
+    """What every stable-baselines3 learner shares (network size, evaluation, telemetry)."""
+
+    hidden: int = 64
+    """units per hidden layer of the policy and value networks"""
+    layers: int = 2
+    """hidden layers of the policy and value networks"""
+    lr: float = 3e-4
+    """learning rate of every optimizer"""
+    gamma: float = 0.99
+    """discount factor"""
+    eval_episodes: int = 2
+    """deterministic evaluation episodes per evaluation"""
+    eval_max_steps: int = 0
+    """episode cap of the evaluation env (0 = env default)"""
+    max_episode_steps: int = 0
+    """episode cap of the training env (0 = env default)"""
+    monitor_every: int = 1
+    """the Monitor's every: costly channels every this many updates"""
+    diag_every: int = 10
+    """off-policy: read algorithm diagnostics every this many train calls"""
+    diverge_threshold: float = 1e8
+    """a loss, gradient norm, Q value or return above this counts as diverged"""
+
+
+@dataclass(frozen=True)
+class OnPolicyHParams(RLCommon):
+    """PPO and A2C: rollouts of n_steps, then updates."""
+
+    n_steps: int = 2048
+    """environment steps per rollout"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    ent_coef: float = 0.0
+    """entropy bonus coefficient (the algorithm's own noise knob)"""
+
+
+@dataclass(frozen=True)
+class PPOHParams(OnPolicyHParams):
+    """Proximal policy optimisation (stable-baselines3 defaults)."""
+
+    batch_size: int = 64
+    """minibatch size of each PPO epoch"""
+    n_epochs: int = 10
+    """passes over each rollout"""
+    clip_range: float = 0.2
+    """PPO clipping range"""
+
+
+@dataclass(frozen=True)
+class A2CHParams(OnPolicyHParams):
+    """Advantage actor-critic (stable-baselines3 defaults)."""
+
+    lr: float = 7e-4
+    """learning rate of every optimizer"""
+    n_steps: int = 5
+    """environment steps per rollout"""
+    gae_lambda: float = 1.0
+    """GAE lambda"""
+
+
+@dataclass(frozen=True)
+class OffPolicyHParams(RLCommon):
+    """SAC, TD3 and DDPG: a replay buffer, updates every train_freq steps."""
+
+    hidden: int = 256
+    """units per hidden layer of the actor and critics"""
+    batch_size: int = 256
+    """replay minibatch size"""
+    learning_starts: int = 100
+    """environment steps before the first update"""
+    buffer_size: int = 1_000_000
+    """replay capacity (capped at the run length)"""
+    train_freq: int = 1
+    """environment steps between train calls"""
+    gradient_steps: int = 1
+    """gradient steps per train call"""
+    tau: float = 0.005
+    """Polyak coefficient of the target networks"""
+
+
+@dataclass(frozen=True)
+class SACHParams(OffPolicyHParams):
+    """Soft actor-critic (stable-baselines3 defaults)."""
+
+    ent_coef: float | Literal["auto"] = "auto"
+    """entropy coefficient: a float, or "auto" to learn it"""
+    target_entropy: float | Literal["auto"] = "auto"
+    """entropy target of the learnt coefficient (the noise knob); "auto" = -dim(action)"""
+
+
+@dataclass(frozen=True)
+class TD3HParams(OffPolicyHParams):
+    """Twin delayed DDPG (stable-baselines3 defaults)."""
+
+    lr: float = 1e-3
+    """learning rate of every optimizer"""
+    policy_delay: int = 2
+    """critic updates per actor update"""
+    action_noise_std: float = 0.1
+    """Gaussian exploration noise, relative to the action range (the noise knob)"""
+
+
+@dataclass(frozen=True)
+class DDPGHParams(OffPolicyHParams):
+    """Deep deterministic policy gradient (stable-baselines3 defaults)."""
+
+    lr: float = 1e-3
+    """learning rate of every optimizer"""
+    action_noise_std: float = 0.1
+    """Gaussian exploration noise, relative to the action range (the noise knob)"""
+
+
+def defaults(cls: type) -> dict[str, Any]:
+    """Every field of a hyperparameter dataclass with its default."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line docstring under each field, read from the class sources (inherited first)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for stmt, nxt in zip(body, body[1:], strict=False):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[stmt.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def _accepts(tp: Any, value: Any) -> bool:
+    """Does ``value`` (a spec literal) fit the annotation ``tp``? ints pass for floats, bools never for numbers."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return any(type(value) is type(a) and value == a for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, value) for a in typing.get_args(tp))
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def validate(cls: type, given: dict[str, Any], where: str) -> None:
+    """Raise ``ValueError`` for a name that is not a field of ``cls`` or a value of the wrong type."""
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(given) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown hyperparameter(s) {unknown} for {where}; valid: {', '.join(sorted(hints))}")
+    for name, value in given.items():
+        if not _accepts(hints[name], value):
+            raise ValueError(f"hyperparameter {name!r} of {where} must be {_describe(hints[name])}, "
+                             f"got {value!r} ({type(value).__name__})")
+
+
+def merged(cls: type, given: dict[str, Any], where: str) -> dict[str, Any]:
+    """The defaults of ``cls`` with ``given`` over them, validated."""
+    validate(cls, given, where)
+    return {**defaults(cls), **given}

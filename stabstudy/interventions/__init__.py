@@ -1,0 +1,1 @@
+"""What acts on training: perturbation kinds, schedules and their appliers."""

@@ -1,0 +1,276 @@
+"""Language-model learner: a small GPT on a byte-level corpus, with perturbations and telemetry.
+
+``run(spec)`` implements the learner contract for domain ``"lm"``, learner ``"gpt"``
+(see :mod:`stabstudy.spec`): one step is one optimizer update; the Dataset has
+dimension ``step`` with coordinate ``tokens`` (tokens consumed up to and including the
+step), the shared channels (through :class:`stabstudy.instruments.telemetry.Monitor`), and the
+LM channels ``val_loss``, ``ce_loss``, ``z_loss``, ``attn_logit_max`` (+ per layer
+``attn_logit_max_l<i>``), ``out_logit_max``, ``attn_entropy_min``. With any
+precision other than float32 (or a loss scaler, or a ``precision_switch``) the
+precision channels ``nonfinite_grads``, ``loss_scale``, ``skipped_step``,
+``lost_update_frac``, ``fp16_headroom``, ``adam_state_nonfinite`` are recorded by
+the measurement functions of :mod:`stabstudy.instruments.precision`.
+
+Precision mechanics (measurements in :mod:`stabstudy.instruments.precision`): ``autocast_dtype`` runs the
+forward pass under ``torch.autocast`` (float32 master weights); ``param_dtype`` stores the
+model *and* AdamW's state in that dtype (pure low-precision training); ``grad_scaler`` uses
+``torch.amp.GradScaler`` (works on CPU in torch 2.13: scale 2**16, halves and skips the step on
+inf/NaN gradients); a ``precision_switch`` perturbation changes the autocast dtype to
+``params['dtype']`` while active. Note: pure float16 with the default ``eps=1e-8`` diverges at
+once, since eps rounds to 0 in float16 and coordinates with a zero gradient get 0/0 in Adam.
+
+Optimisation follows Wortsman et al. 2023: AdamW with betas (0.9, 0.95), eps 1e-8,
+weight decay on matrices only, linear warmup then cosine decay, optional
+gradient clipping. A NaN/inf loss or non-finite parameters stop the run with
+``attrs["status"] = "diverged"`` (the data up to that step is kept).
+
+The grid builders and analyses used by ``notebooks/02_nanogpt_spike_studies.ipynb``
+live at the bottom of this module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import xarray as xr
+
+from stabstudy.hparams import GPTHParams, merged
+from stabstudy.instruments import curvature, precision
+from stabstudy.instruments.telemetry import Monitor
+from stabstudy.interventions import perturb
+from stabstudy.interventions.perturb import Schedule
+from stabstudy.learners.corpus import get_batch, load_corpus, outlier_batch
+from stabstudy.learners.gpt import GPT, GPTConfig, resolve_device
+from stabstudy.seeding import seed_everything
+from stabstudy.spec import RunSpec
+
+#: Bump when a change to this learner alters the results it stores: the runner then
+#: recomputes stored runs of other versions instead of reusing them.
+RESULTS_VERSION = 1
+
+PRECISION_CHANNELS = ("nonfinite_grads", "loss_scale", "skipped_step", "lost_update_frac",
+                      "fp16_headroom", "adam_state_nonfinite")
+
+
+def hparams(spec: RunSpec) -> dict[str, Any]:
+    """The spec's hyperparameters over the :class:`~stabstudy.hparams.GPTHParams` defaults."""
+    return merged(GPTHParams, spec.hp, "lm learner 'gpt'")
+
+
+def model_config(hp: dict[str, Any]) -> GPTConfig:
+    """The :class:`GPTConfig` described by merged hyperparameters."""
+    return GPTConfig(vocab_size=256, block_size=int(hp["block_size"]), n_layer=int(hp["n_layer"]),
+                     n_head=int(hp["n_head"]), n_embd=int(hp["n_embd"]), dropout=float(hp["dropout"]),
+                     qk_layernorm=bool(hp["qk_layernorm"]), z_loss=float(hp["z_loss"]),
+                     init_scale=float(hp["init_scale"]), tie_weights=bool(hp["tie_weights"]))
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_frac: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``min_lr_frac * lr`` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    span = max(steps - warmup - 1, 1)
+    progress = min((step - warmup) / span, 1.0)
+    return lr * (min_lr_frac + (1 - min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: torch.nn.Module, hp: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices (dim >= 2) only, as in nanoGPT."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    other = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": float(hp["weight_decay"])},
+              {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=float(hp["lr"]), betas=(float(hp["beta1"]), float(hp["beta2"])),
+                             eps=float(hp["eps"]), foreach=False)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
+             autocast_name: str) -> float:
+    """Mean cross-entropy (nats/token) over fixed validation ``batches``, in eval mode."""
+    was = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with precision.autocast(device.type, autocast_name):
+            total += float(model(x.to(device), y.to(device)).ce)
+    model.train(was)
+    return total / len(batches)
+
+
+def stale(spec: RunSpec, attrs: dict) -> str | None:
+    """Why a stored run of ``spec`` no longer describes it, or None (called by
+    :func:`stabstudy.run.runner.pending`): a corpus file is named by its path in the spec, so a
+    file edited since the run is caught by its content hash. A file that is gone keeps the run."""
+    if spec.task == "stdlib" or "corpus_sha256" not in attrs:
+        return None
+    hp = hparams(spec)
+    try:
+        now = load_corpus(spec.task, int(hp["corpus_bytes"]), float(hp["val_frac"])).sha256
+    except ValueError:
+        return None
+    if now != attrs["corpus_sha256"]:
+        return f"was trained on another version of the corpus file {spec.task!r} (sha256 {attrs['corpus_sha256'][:12]}, now {now[:12]})"
+    return None
+
+
+def run(spec: RunSpec) -> xr.Dataset:
+    """Train a GPT as ``spec`` says; return the per-step Dataset (see module docstring)."""
+    hp = hparams(spec)
+    steps, seed = spec.steps, spec.seed
+    seed_everything(seed)
+    device = resolve_device(str(hp["device"]))
+    sched = Schedule(spec.perturbations)
+    kinds = {p.kind for p in spec.perturbations}
+
+    corpus = load_corpus(spec.task, int(hp["corpus_bytes"]), float(hp["val_frac"]))
+    model = GPT(model_config(hp))
+    param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(hp["param_dtype"])
+    if param_dtype is None:
+        raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {hp['param_dtype']!r}")
+    if hp["autocast_dtype"] not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"autocast_dtype must be float32, bfloat16 or float16, got {hp['autocast_dtype']!r}")
+    if bool(hp["grad_scaler"]) and param_dtype == torch.float16:
+        raise ValueError("grad_scaler needs float32 or bfloat16 parameters: torch.amp.GradScaler refuses to "
+                         "unscale float16 gradients (use param_dtype='float32' with autocast_dtype='float16')")
+    model.to(device=device, dtype=param_dtype)
+    params = [p for p in model.parameters()]
+    opt = make_optimizer(model, hp)
+    B, T = int(hp["batch_size"]), int(hp["block_size"])
+    data_gen = torch.Generator().manual_seed(seed)
+    pert_gen = torch.Generator().manual_seed(seed + 1_000_003)
+    val_gen = torch.Generator().manual_seed(seed + 2_000_003)
+    val_batches = [get_batch(corpus.val, B, T, val_gen) for _ in range(int(hp["eval_batches"]))]
+    warmup = 0 if "no_warmup" in kinds else int(hp["warmup"])
+    eval_every = spec.eval_every or max(steps // 10, 1)
+    diag_every = int(hp["diag_every"]) or spec.log_every
+    beta1, beta2 = float(hp["beta1"]), float(hp["beta2"])
+    precision_mode = (hp["autocast_dtype"] != "float32" or param_dtype != torch.float32
+                      or bool(hp["grad_scaler"]) or "precision_switch" in kinds)
+    scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
+                                        growth_interval=int(hp["scaler_growth_interval"]))
+    mon = Monitor(model, opt, every=spec.log_every)
+    probe = None
+    if spec.curvature_every:  # sharpness on a fixed probe batch, eval mode (no dropout), explicit attention
+        px, py = (t.to(device) for t in get_batch(corpus.train, B, T, torch.Generator().manual_seed(seed + 3_000_017)))
+
+        def probe_loss() -> torch.Tensor:
+            return model(px, py, diagnostics=True).loss
+
+        probe = curvature.CurvatureProbe(mon, probe_loss, params, every=spec.curvature_every, optimizer=opt,
+                                         iters=int(hp["curvature_iters"]), seed=seed)
+
+    n_layer = int(hp["n_layer"])
+    names = ["loss", "ce_loss", "z_loss", "lr", "val_loss", "perf", "attn_logit_max", "out_logit_max",
+             "attn_entropy_min", "lambda_max", *(f"attn_logit_max_l{i}" for i in range(n_layer))]
+    if precision_mode:
+        names += list(PRECISION_CHANNELS)
+    if probe is not None:
+        names += [c for c in curvature.CURVATURE_CHANNELS if c not in names]
+    rec = {k: np.full(steps, np.nan) for k in names}
+    mon_row_step: dict[int, int] = {}  # Monitor row -> step (a loss-scaler skip makes no row)
+    status, done = "ok", 0
+    try:
+        for step in range(steps):
+            # -- schedule: learning rate, beta2, precision --------------------------------
+            lr = lr_at(step, steps, float(hp["lr"]), warmup, float(hp["min_lr_frac"])) * sched.lr_factor(step)
+            b2p = sched.of_kind("beta2_shift", step)
+            for g in opt.param_groups:
+                g["lr"] = lr
+                g["betas"] = (beta1, b2p.dose if b2p is not None else beta2)
+            sw = sched.of_kind("precision_switch", step)
+            ac_name = str(sw.p.get("dtype", "bfloat16")) if sw is not None else str(hp["autocast_dtype"])
+            # -- data (the stream is drawn the same way with and without perturbations) ----
+            x, y = get_batch(corpus.train, B, T, data_gen)
+            ob = sched.of_kind("outlier_batch", step)
+            if ob is not None:
+                x, y = outlier_batch(x, y, ob.dose, int(ob.p.get("token", corpus.rare_token)))
+            x, y = x.to(device), y.to(device)
+            # -- instantaneous parametric perturbations ------------------------------------
+            for p in sched.starts_at(step, "weight_noise"):
+                perturb.add_weight_noise(model, p.dose, pert_gen)
+            for p in sched.starts_at(step, "reinit_layer"):
+                perturb.reinit_layer(model, str(p.p.get("layer", "blocks.0.attn")), p.dose, pert_gen)
+            # -- forward / backward ----------------------------------------------------------
+            diag_now = step % diag_every == 0
+            with precision.autocast(device.type, ac_name):
+                out = model(x, y, diagnostics=diag_now)
+            loss = out.loss
+            loss_val = float(loss.detach())
+            rec["loss"][step], rec["ce_loss"][step] = loss_val, float(out.ce.detach())
+            rec["z_loss"][step], rec["lr"][step] = float(out.zloss.detach()), lr
+            for k, v in out.diag.items():
+                if k in rec:
+                    rec[k][step] = v
+            done = step + 1
+            if not math.isfinite(loss_val):
+                status = "diverged"
+                break
+            ls = sched.of_kind("loss_scale", step)
+            objective = loss * ls.dose if ls is not None else loss
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(objective).backward()
+            if scaler.is_enabled():
+                scaler.unscale_(opt)
+            gn = sched.of_kind("grad_noise", step)
+            if gn is not None:
+                perturb.add_grad_noise(params, gn.dose, pert_gen)
+            if float(hp["grad_clip"]) > 0:
+                torch.nn.utils.clip_grad_norm_(params, float(hp["grad_clip"]))
+            if precision_mode:
+                grads = [p.grad for p in params]
+                rec["nonfinite_grads"][step] = precision.count_nonfinite(grads)
+                before = precision.snapshot(params)
+                skipped, scale_used = precision.scaler_step(scaler, opt)
+                storage = param_dtype if param_dtype != torch.float32 else precision.resolve_dtype(ac_name)
+                if not skipped:  # a skipped step applies no update: nothing for rounding to erase (NaN)
+                    rec["lost_update_frac"][step] = precision.lost_update_frac(before, params, grads, storage)
+                rec["loss_scale"][step], rec["skipped_step"][step] = scale_used, float(skipped)
+                rec["adam_state_nonfinite"][step] = precision.adam_state_nonfinite(opt)
+                if diag_now:
+                    rec["fp16_headroom"][step] = precision.logit_fp16_headroom(
+                        out.diag["attn_logit_max"], out.diag["out_logit_max"],
+                        int(hp["n_embd"]) // int(hp["n_head"]))
+            else:
+                opt.step()
+            if mon.step >= 0:
+                mon_row_step.setdefault(mon.step, step)
+            if precision_mode or step % spec.log_every == 0:
+                if not precision.all_finite(params):
+                    status = "diverged"
+                    break
+            # -- evaluation and curvature --------------------------------------------------
+            if (step + 1) % eval_every == 0 or step == steps - 1:
+                vl = evaluate(model, val_batches, device, ac_name)
+                rec["val_loss"][step], rec["perf"][step] = vl, -vl
+            if probe is not None and step % spec.curvature_every == 0:
+                update = mon.last_update(params) if mon_row_step.get(mon.step) == step else None
+                was = model.training
+                model.eval()
+                with precision.autocast(device.type, ac_name):
+                    vals = probe.measure(update)
+                model.train(was)
+                for k, v in vals.items():
+                    rec[k][step] = v
+    finally:
+        mon_ds = mon.to_dataset()
+        mon.close()
+
+    ds = xr.Dataset({k: ("step", v[:done]) for k, v in rec.items()},
+                    coords={"step": np.arange(done), "tokens": ("step", (np.arange(done) + 1) * B * T)})
+    if "step" in mon_ds.dims and mon_ds.sizes["step"]:
+        rows = [r for r in mon_ds.step.values.tolist() if r in mon_row_step]
+        mon_ds = mon_ds.sel(step=rows).assign_coords(step=[mon_row_step[r] for r in rows])
+        mon_ds = mon_ds.reindex(step=ds.step)
+        for k in mon_ds.data_vars:
+            if k not in ds:
+                ds[k] = ("step", mon_ds[k].values)
+    ds["perturbed"] = ("step", sched.mask(ds.step.values))
+    ds.attrs.update(status=status, corpus_sha256=corpus.sha256, corpus_name=corpus.name,
+                    corpus_bytes=corpus.n_bytes, rare_token=corpus.rare_token, n_params=model.num_params(),
+                    device=str(device), tokens_per_step=B * T)
+    return ds
+

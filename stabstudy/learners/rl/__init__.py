@@ -1,0 +1,1 @@
+"""stable-baselines3 agents on gymnasium tasks, with telemetry and perturbations."""
