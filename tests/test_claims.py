@@ -1,0 +1,98 @@
+"""Every rule of stabstudy.analysis.claims passes on data for the claim, fails on data
+against it, and gives only 'not tested' / 'inconclusive' on missing or too few data."""
+
+import numpy as np
+import pytest
+
+from stabstudy.analysis import claims as C
+
+SRC = "our own"
+rng = np.random.default_rng(0)
+MISSING = ("not tested", "inconclusive")
+
+
+def test_claim_rejects_unknown_verdict_and_source():
+    with pytest.raises(ValueError, match="valid verdicts: supported, not supported, inconclusive, not tested"):
+        C.Claim("x", SRC, "yes", "")
+    with pytest.raises(ValueError, match="source must start with"):
+        C.Claim("x", "a blog", "supported", "")
+
+
+@pytest.mark.parametrize("test", ["ttest", "wilcoxon"])
+def test_paired_difference(test):
+    control = rng.normal(0, 1, 8)
+    up = control + 2 + rng.normal(0, 0.1, 8)
+    assert C.paired_difference("up", SRC, up, control, direction="greater", test=test).verdict == "supported"
+    assert C.paired_difference("down", SRC, up, control, direction="less", test=test).verdict == "not supported"
+    zero = C.paired_difference("x", SRC, control, control, direction="greater", test=test)
+    assert zero.verdict == "inconclusive"  # no difference is no evidence either way
+    assert C.paired_difference("x", SRC, [], [], direction="greater", test=test).verdict == "not tested"
+    few = C.paired_difference("x", SRC, [5.0, 6.0], [0.0, 0.0], direction="greater", test=test)
+    assert few.verdict == "inconclusive" and few.n == 2
+    nan_pairs = C.paired_difference("x", SRC, [np.nan] * 5, [1.0] * 5, direction="greater", test=test)
+    assert nan_pairs.verdict == "not tested"
+
+
+def test_difference_unpaired():
+    a, b = rng.normal(5, 1, 10), rng.normal(0, 1, 10)
+    assert C.difference("a>b", SRC, a, b, direction="greater").verdict == "supported"
+    assert C.difference("a<b", SRC, a, b, direction="less").verdict == "not supported"
+    assert C.difference("x", SRC, a[:2], b[:2], direction="greater").verdict in MISSING
+    assert C.difference("x", SRC, [], b, direction="greater").verdict in MISSING
+
+
+def test_equivalence_is_tost_not_a_ci_containing_zero():
+    ref = rng.normal(10, 0.01, 8)
+    close = ref * (1 + rng.normal(0, 0.001, 8))
+    assert C.equivalence("same", SRC, close, ref, margin=0.02).verdict == "supported"
+    far = ref * 1.10 + rng.normal(0, 0.01, 8)
+    assert C.equivalence("same", SRC, far, ref, margin=0.02).verdict == "not supported"
+    # wide noise: the CI of the difference contains 0, yet equivalence is not shown
+    noisy = ref + rng.normal(0, 2, 8)
+    assert C.equivalence("same", SRC, noisy, ref, margin=0.02).verdict == "inconclusive"
+    assert C.equivalence("same", SRC, [], [], margin=0.02).verdict == "not tested"
+    assert C.equivalence("same", SRC, close[:2], ref[:2], margin=0.02).verdict == "inconclusive"
+    unpaired = C.equivalence("same", SRC, close, ref, margin=0.02, paired=False)
+    assert unpaired.verdict == "supported" and "Welch" in unpaired.test
+
+
+def test_rates():
+    assert C.rate_ci(0, 10) == pytest.approx((0.0, 0.3085), abs=1e-4)  # exact binomial
+    assert np.isnan(C.rate_ci(0, 0)[0])
+    assert C.rate_comparison("more collapses", SRC, 9, 10, 0, 10).verdict == "supported"
+    assert C.rate_comparison("more collapses", SRC, 0, 10, 9, 10).verdict == "not supported"
+    assert C.rate_comparison("more collapses", SRC, 1, 2, 0, 2).verdict in MISSING
+    assert C.rate_comparison("more collapses", SRC, 0, 0, 0, 5).verdict == "not tested"
+
+
+def test_correlation_none_needs_an_interval_inside_the_margin():
+    x = np.arange(200.0)
+    assert C.correlation("none", SRC, x, rng.normal(size=200), expect="none").verdict == "supported"
+    assert C.correlation("none", SRC, x, x + rng.normal(size=200), expect="none").verdict == "not supported"
+    # few points, no significant rho: absence of evidence is not evidence of absence
+    few = C.correlation("none", SRC, x[:6], rng.normal(size=6), expect="none")
+    assert few.verdict == "inconclusive"
+    assert C.correlation("pos", SRC, x[:20], x[:20] ** 2, expect="positive").verdict == "supported"
+    assert C.correlation("neg", SRC, x[:20], x[:20] ** 2, expect="negative").verdict == "not supported"
+    assert C.correlation("pos", SRC, [], [], expect="positive").verdict == "not tested"
+    assert C.correlation("pos", SRC, [1, 2], [1, 2], expect="positive").verdict == "inconclusive"
+
+
+def test_within_tolerance():
+    assert C.within_tolerance("slope", "textbook", [1.01, 0.99], [1.0, 1.0], rel_tol=0.05).verdict == "supported"
+    assert C.within_tolerance("slope", "textbook", [1.2, 0.7], 1.0, rel_tol=0.05).verdict == "not supported"
+    assert C.within_tolerance("slope", "textbook", [1.01, 1.2], 1.0, rel_tol=0.05).verdict == "inconclusive"
+    assert C.within_tolerance("slope", "textbook", [np.nan], 1.0, rel_tol=0.05).verdict == "not tested"
+    assert C.within_tolerance("slope", "textbook", [1.0], 1.0, rel_tol=0.05, min_n=3).verdict == "inconclusive"
+
+
+def test_table_applies_holm_and_downgrades_verdicts_that_rest_on_p():
+    strong = C.Claim("a", SRC, "supported", "r", p=0.001, p_decides=True)
+    weak = C.Claim("b", SRC, "supported", "r", p=0.03, p_decides=True)
+    other = C.Claim("c", SRC, "supported", "r", p=0.04, p_decides=True)
+    untested = C.not_tested("d", SRC, "no runs")
+    df = C.table([strong, weak, other, untested])
+    assert list(df.verdict) == ["supported", "inconclusive", "inconclusive", "not tested"]
+    assert df.p_holm.iloc[0] == pytest.approx(0.003)
+    md = C.to_markdown(df)
+    assert md.count("\n") == 6 and "**not tested**" in md and "Holm-adjusted" in md
