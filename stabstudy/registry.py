@@ -151,11 +151,19 @@ DOMAIN_CHANNELS: dict[str, dict[str, str]] = {
         "q_mean": "mean Q value of a replay batch", "action_saturation": "fraction of actions at the bounds",
     },
     "lm": {
-        "val_loss": "validation loss", "attn_logit_max": "largest attention logit",
-        "out_logit_max": "largest output logit", "attn_entropy_min": "smallest attention entropy of a head",
+        "val_loss": "validation loss", "ce_loss": "cross-entropy part of the loss", "z_loss": "z-loss part",
+        "attn_logit_max": "largest attention logit", "out_logit_max": "largest output logit",
+        "attn_entropy_min": "smallest attention entropy of a head",
         "nonfinite_grads": "non-finite gradient entries", "loss_scale": "GradScaler's scale",
         "skipped_step": "1 where the scaler skipped the step", "lost_update_frac": "share of updates rounded away",
-        "fp16_headroom": "log2(65504 / largest activation)", "adam_state_nonfinite": "non-finite Adam state entries",
+        "fp16_headroom": "headroom of the largest logit below float16's limit",
+        "adam_state_nonfinite": "non-finite Adam state entries",
     },
-    "toy": {"test_loss": "loss on held-out data", "test_acc": "accuracy on held-out data"},
+    "toy": {"test_loss": "loss on held-out data", "train_acc": "training accuracy (classification)"},
+}
+#: Channels of the curvature probe (toy and LM runs with ``curvature_every > 0``).
+CURVATURE: dict[str, str] = {
+    "sharpness_grad": "directional curvature along the gradient", "sharpness_update": "along the update",
+    "precond_sharpness": "top eigenvalue of Adam's preconditioned Hessian",
+    "lambda_max_cost_s": "seconds spent in one lambda_max", "lambda_max_iters": "Hessian-vector products used",
 }

@@ -1,4 +1,4 @@
-"""The ``stabstudy`` command: ``study``, ``runs``, ``report``."""
+"""The ``stabstudy`` command: ``study``, ``runs``, ``report``, ``list``."""
 
 from __future__ import annotations
 
@@ -53,6 +53,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_list(args: argparse.Namespace) -> int:
+    from stabstudy.run import catalog
+
+    try:
+        print(catalog.markdown(tuple(args.sections) or catalog.SECTIONS))
+    except ValueError as exc:
+        print(f"stabstudy list: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stabstudy", description="Perturbation auditing of training stability.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Render build/<profile>/*.ipynb to HTML.")
     p.add_argument("--profile", choices=study.PROFILES, default="quick")
     p.set_defaults(func=_cmd_report)
+
+    from stabstudy.run.catalog import SECTIONS
+
+    p = sub.add_parser("list", help="domains, learners, perturbation kinds, channels and hyperparameters",
+                       description="Print the registry as Markdown (the same tables as docs/registry.md).")
+    # no choices=: argparse rejects an empty list against them (Python 3.11); catalog names the valid ones
+    p.add_argument("sections", nargs="*", metavar="SECTION", help=f"which tables: {', '.join(SECTIONS)} (default: all)")
+    p.set_defaults(func=_cmd_list)
     return parser
 
 

@@ -1,0 +1,54 @@
+"""What the registry holds, as Markdown: the source of ``stabstudy list`` and of docs/registry.md."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stabstudy import registry
+from stabstudy.hparams import field_docs
+
+SECTIONS = ("domains", "kinds", "channels", "hparams")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return out + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+
+
+def markdown(sections: tuple[str, ...] = SECTIONS) -> str:
+    """The registry's tables; ``sections`` chooses among :data:`SECTIONS` (ValueError names them)."""
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        raise ValueError(f"unknown section(s) {bad}; valid: {', '.join(SECTIONS)}")
+    lines: list[str] = []
+    if "domains" in sections:
+        lines += ["## Domains and learners", ""]
+        lines += _table(("domain", "learners", "tasks", "steps count"),
+                        [(d.name, ", ".join(f"`{n}`" for n in d.learners), d.tasks, d.step_unit)
+                         for d in registry.DOMAINS.values()]) + [""]
+    if "kinds" in sections:
+        lines += ["## Perturbation kinds", ""]
+        lines += _table(("kind", "dimension", "domains", "dose", "once"),
+                        [(f"`{k.name}`", k.dimension, ", ".join(k.domains), k.dose, "yes" if k.instantaneous else "")
+                         for k in registry.KINDS.values()]) + [""]
+    if "channels" in sections:
+        lines += ["## Channels", ""]
+        rows = [(f"`{n}`", "all", m) for n, m in registry.SHARED.items()]
+        rows += [(f"`{n}`", d, m) for d, chans in registry.DOMAIN_CHANNELS.items() for n, m in chans.items()]
+        rows += [(f"`{n}`", "toy, lm (curvature)", m) for n, m in registry.CURVATURE.items()]
+        lines += _table(("channel", "domain", "meaning"), rows) + [""]
+    if "hparams" in sections:
+        lines += ["## Hyperparameters", ""]
+        seen: set[type] = set()
+        for d in registry.DOMAINS.values():
+            for cls in d.learners.values():
+                if cls in seen:
+                    continue
+                seen.add(cls)
+                users = ", ".join(f"`{n}`" for n, c in d.learners.items() if c is cls)
+                docs = field_docs(cls)
+                lines += [f"### {d.name}: {users} (`{cls.__name__}`)", "", (cls.__doc__ or "").strip(), ""]
+                lines += _table(("name", "default", "meaning"),
+                                [(f"`{f.name}`", f"`{f.default!r}`", docs.get(f.name, ""))
+                                 for f in dataclasses.fields(cls)]) + [""]
+    return "\n".join(lines)
