@@ -9,9 +9,12 @@ SCHEDULER ?=
 
 .PHONY: install study smoke test lint lab report bench strip clean
 
-$(STAMP): pyproject.toml
+# Exact versions from requirements.lock (the supported machine); pyproject.toml keeps the
+# loose ranges for people who install stabstudy as a library.
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m pip install -r requirements.lock
+	$(BIN)/python -m pip install --no-deps -e '.[dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -47,5 +50,7 @@ bench: $(STAMP)
 strip: $(STAMP)
 	$(BIN)/nbstripout notebooks/*.ipynb
 
+## make clean: every generated file (stored runs, the built corpus, caches, executed notebooks, figures)
 clean:
-	rm -rf data/runs data/cache build figures/*/
+	find data figures -mindepth 1 -maxdepth 1 ! -name README.md -exec rm -rf {} +
+	rm -rf build

@@ -1,6 +1,6 @@
 """Numerical-precision measurements: non-finite values, lost updates, fp16 headroom, autocast.
 
-Precision is one of the learning-signal sources of instability (see REFERENCES.md):
+Precision is one of the learning-signal sources of instability (see docs/references.md):
 
 * float16 (IEEE half): 5 exponent bits, 10 mantissa bits; largest finite value 65504,
   smallest normal ``2**-14`` (~6.1e-5); below it values become subnormal and lose bits,
@@ -57,7 +57,7 @@ DTYPES: dict[str, torch.dtype] = {
 FP16_MAX: float = float(torch.finfo(torch.float16).max)  # 65504.0
 #: Smallest normal float16 value, 2**-14.
 FP16_MIN_NORMAL: float = float(torch.finfo(torch.float16).tiny)  # 6.1035e-05
-#: torch.amp.GradScaler defaults (REFERENCES.md).
+#: torch.amp.GradScaler defaults (docs/references.md).
 SCALER_INIT_SCALE: float = 2.0**16
 SCALER_GROWTH_INTERVAL: int = 2000
 

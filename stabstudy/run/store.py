@@ -1,6 +1,6 @@
 """The run store: one netCDF file per run, written atomically, keyed by spec hash.
 
-Schema (the contract between notebooks, see DESIGN.md): dimension ``step``,
+Schema (the contract between notebooks, see the README): dimension ``step``,
 the shared channels always present (NaN where a learner cannot measure them),
 provenance attributes (strings and numbers only). Failed runs are stored too,
 as records with no steps and the traceback in ``error``.
@@ -106,7 +106,7 @@ def code_identity() -> dict[str, str]:
 
 def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
                made_by: dict[str, str] | None = None) -> dict:
-    """Provenance attributes of a stored run (DESIGN.md). ``made_by``: the :func:`code_identity`
+    """Provenance attributes of a stored run (README, "Dataset schema"). ``made_by``: the :func:`code_identity`
     of the process that ran it (a Dask worker's), when not this one."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(STATUSES)}")
