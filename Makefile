@@ -38,7 +38,7 @@ lint: $(STAMP)
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks
 
-## make report: render executed notebooks (build/<profile>/) to HTML
+## make report: publish results/<profile>/ (CLAIMS.md, rendered notebooks, figures) from the executed study
 report: $(STAMP)
 	$(BIN)/stabstudy report --profile $(PROFILE)
 

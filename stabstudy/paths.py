@@ -47,5 +47,15 @@ def build_dir() -> Path:
     return root() / "build"
 
 
+def results_dir(profile: str) -> Path:
+    """Published results of a study profile (``results/quick`` is committed)."""
+    return root() / "results" / profile
+
+
+def claims_dir(profile: str) -> Path:
+    """Where each executed notebook saves its claims table for the report."""
+    return build_dir() / profile / "claims"
+
+
 def profiles_dir() -> Path:
     return _PKG / "run" / "profiles"

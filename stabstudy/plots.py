@@ -14,7 +14,12 @@ def setup() -> None:
     """Apply the study's figure style (call once per notebook)."""
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
     plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 150, "savefig.bbox": "tight",
-                         "axes.titlesize": "medium", "figure.autolayout": False})
+                         "axes.titlesize": "medium", "figure.autolayout": False,
+                         "svg.hashsalt": "stabstudy"})  # fixed SVG ids: same data, same bytes
+
+
+#: No creation dates in saved files, so the same data give the same bytes (published results are diffed).
+_NO_DATES: dict[str, dict] = {"pdf": {"CreationDate": None, "ModDate": None}, "svg": {"Date": None}}
 
 
 def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] = ("png", "pdf")) -> list[Path]:
@@ -24,7 +29,7 @@ def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] 
     written = []
     for fmt in formats:
         p = out / f"{name}.{fmt}"
-        fig.savefig(p)
+        fig.savefig(p, metadata=_NO_DATES.get(fmt))
         written.append(p)
     return written
 

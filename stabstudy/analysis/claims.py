@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -335,6 +336,18 @@ def table(claims: Sequence[Claim], alpha: float = 0.05) -> pd.DataFrame:
                      "verdict": verdict, "reason": reason})
     return pd.DataFrame(rows, columns=["claim", "source", "effect", "ci_low", "ci_high", "n", "test", "p",
                                        "p_holm", "verdict", "reason"])
+
+
+def save(df: pd.DataFrame, notebook: str, profile: str) -> Path:
+    """Write a notebook's claims table where ``stabstudy report`` collects it (build/<profile>/claims/)."""
+    from stabstudy import paths
+
+    out = paths.claims_dir(profile) / f"{notebook}.csv"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".csv.tmp")
+    df.to_csv(tmp, index=False, float_format="%.6g")
+    tmp.replace(out)
+    return out
 
 
 def _fmt(v: float) -> str:

@@ -43,13 +43,21 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from stabstudy.run import report
+
+    if args.check:
+        changed = report.check(args.profile)
+        if changed:
+            print(f"stabstudy report: results/{args.profile} is stale:", *changed, sep="\n  ", file=sys.stderr)
+            return 1
+        print(f"results/{args.profile} is current")
+        return 0
     try:
-        out = study.render_report(args.profile)
+        out = report.publish(args.profile)
     except FileNotFoundError as exc:
         print(f"stabstudy report: error: {exc}", file=sys.stderr)
         return 2
-    for p in out:
-        print(p)
+    print(f"{len(out)} files in {paths.results_dir(args.profile)}/ (start with CLAIMS.md)")
     return 0
 
 
@@ -82,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="run store folder (default: data/runs)")
     p.set_defaults(func=_cmd_runs)
 
-    p = sub.add_parser("report", help="render executed notebooks to HTML",
-                       description="Render build/<profile>/*.ipynb to HTML.")
+    p = sub.add_parser("report", help="publish results/<profile>/ from the executed study, or check it",
+                       description="Write results/<profile>/ (CLAIMS.md, rendered notebooks, figures) from "
+                                   "build/<profile>/ and figures/; --check exits 1 naming the sources changed since.")
     p.add_argument("--profile", choices=study.PROFILES, default="quick")
+    p.add_argument("--check", action="store_true", help="only say whether the published results are current")
     p.set_defaults(func=_cmd_report)
 
     from stabstudy.run.catalog import SECTIONS

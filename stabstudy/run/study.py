@@ -91,22 +91,3 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
         if env_backup is None:
             os.environ.pop("MPLBACKEND", None)
     return timings
-
-
-def render_report(profile: str = "quick") -> list[Path]:
-    """Render executed notebooks in ``build/<profile>/`` to HTML next to them."""
-    from nbconvert import HTMLExporter
-
-    src = paths.build_dir() / profile
-    executed = sorted(src.glob("*.ipynb"))
-    if not executed:
-        raise FileNotFoundError(f"no executed notebooks in {src}; run `stabstudy study --profile {profile}` first")
-    out = []
-    for nb in executed:
-        body, _ = HTMLExporter().from_filename(str(nb))
-        target = nb.with_suffix(".html")
-        target.write_text(body)
-        out.append(target)
-    return out
-
-

@@ -1,0 +1,88 @@
+"""results/<profile>/ is made from the executed study, byte for byte the same when remade, and knows when it is stale."""
+
+import base64
+import io
+
+import matplotlib
+import nbformat
+import pytest
+
+from stabstudy.analysis import claims as C
+from stabstudy.run import report
+from stabstudy.run.cli import main
+
+matplotlib.use("Agg")
+
+
+def _png() -> bytes:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(2, 2))
+    ax.plot([0, 1], [1, 0])
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+@pytest.fixture()
+def study(tmp_path, monkeypatch):
+    """A fake project root holding one executed notebook, its claims and a figure."""
+    monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    monkeypatch.delenv("STABSTUDY_FIGURES", raising=False)
+    monkeypatch.delenv("STABSTUDY_DATA", raising=False)
+    (tmp_path / "stabstudy").mkdir()
+    (tmp_path / "stabstudy" / "x.py").write_text("A = 1\n")
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook()
+    code = nbformat.v4.new_code_cell("plot()")
+    code.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(_png()).decode()})]
+    code.metadata["papermill"] = {"start_time": "2026-12-01T03:00:00", "duration": 1.0}
+    nb.cells = [nbformat.v4.new_markdown_cell("# Title"), code]
+    nb.metadata["papermill"] = {"duration": 12.5, "end_time": "2026-12-01T03:00:12"}
+    nbformat.write(nb, tmp_path / "notebooks" / "00_demo.ipynb")
+    (tmp_path / "build" / "quick").mkdir(parents=True)
+    nbformat.write(nb, tmp_path / "build" / "quick" / "00_demo.ipynb")
+    (tmp_path / "figures" / "00_demo").mkdir(parents=True)
+    (tmp_path / "figures" / "00_demo" / "main.png").write_bytes(_png())
+    rows = [C.within_tolerance("slope = log sigma", "textbook", [1.01], 1.0, rel_tol=0.05),
+            C.not_tested("PPO collapses", "source paper", "no trained prefix")]
+    C.save(C.table(rows), "00_demo", "quick")
+    return tmp_path
+
+
+def test_publish_writes_claims_pages_images_and_figures(study):
+    files = report.publish("quick")
+    out = study / "results" / "quick"
+    names = {p.relative_to(out).as_posix() for p in files}
+    assert {"CLAIMS.md", "00_demo.md", "manifest.json", "figures/00_demo/main.png"} <= names
+    assert any(n.startswith("00_demo_files/") and n.endswith(".png") for n in names)
+    page = (out / "00_demo.md").read_text()
+    assert "base64" not in page and "00_demo_files/" in page
+    text = (out / "CLAIMS.md").read_text()
+    assert "| 00_demo | slope = log sigma | textbook |" in text and "**supported**" in text
+    assert "**not tested**" in text and "00_demo 12 s" in text and "2026-12-01T03:00:12" in text
+
+
+def test_publishing_again_gives_the_same_bytes(study):
+    first = {p: p.read_bytes() for p in report.publish("quick")}
+    second = {p: p.read_bytes() for p in report.publish("quick")}
+    assert first == second
+
+
+def test_check_names_what_changed(study, capsys):
+    assert report.check("quick")[0].startswith("no published results")
+    report.publish("quick")
+    assert report.check("quick") == []
+    assert main(["report", "--profile", "quick", "--check"]) == 0
+    (study / "stabstudy" / "x.py").write_text("A = 2\n")
+    (study / "notebooks" / "01_new.ipynb").write_text("{}")
+    assert report.check("quick") == ["changed: stabstudy/x.py", "added: notebooks/01_new.ipynb"]
+    assert main(["report", "--profile", "quick", "--check"]) == 1
+    assert "changed: stabstudy/x.py" in capsys.readouterr().err
+
+
+def test_no_executed_notebooks_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    assert main(["report", "--profile", "smoke"]) == 2
+    assert "run `stabstudy study --profile smoke` first" in capsys.readouterr().err
