@@ -37,3 +37,30 @@ def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] 
 def mark_window(ax: plt.Axes, start: float, end: float, label: str | None = "perturbation", **kw) -> None:
     """Shade a perturbation window on ``ax``."""
     ax.axvspan(start, end, color=kw.pop("color", "tab:red"), alpha=kw.pop("alpha", 0.15), label=label, lw=0, **kw)
+
+
+def _texts(ax: plt.Axes) -> list[tuple[str, object]]:
+    """The visible text artists of one panel that can collide with another's: ticks, labels, title."""
+    items = [("title", ax.title), ("xlabel", ax.xaxis.label), ("ylabel", ax.yaxis.label)]
+    for name, axis in (("xtick", ax.xaxis), ("ytick", ax.yaxis)):
+        lo, hi = sorted(axis.get_view_interval())
+        pad = 1e-9 * max(abs(lo), abs(hi), 1.0)
+        # ticks outside the view limits keep a label object that is never drawn
+        items += [(name, lab) for tick in axis.get_major_ticks() if lo - pad <= tick.get_loc() <= hi + pad
+                  for lab in (tick.label1, tick.label2) if lab.get_visible()]
+    return [(k, t) for k, t in items if t.get_visible() and t.get_text()]
+
+
+def overlaps(fig: plt.Figure) -> list[str]:
+    """Pairs of text elements of *different* panels whose bounding boxes intersect (empty when clean)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes = [(i, kind, t.get_text(), t.get_window_extent(renderer))
+             for i, ax in enumerate(fig.axes) if ax.get_visible() for kind, t in _texts(ax)]
+    found = []
+    for a in range(len(boxes)):
+        for b in range(a + 1, len(boxes)):
+            (i, ka, ta, ba), (j, kb, tb, bb) = boxes[a], boxes[b]
+            if i != j and ba.overlaps(bb) and ba.width > 0 and bb.width > 0:
+                found.append(f"panel {i} {ka} {ta!r} overlaps panel {j} {kb} {tb!r}")
+    return found
