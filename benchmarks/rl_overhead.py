@@ -1,12 +1,14 @@
-"""Overhead of StabilityCallback on stable-baselines3 training, side by side.
+"""Overhead of the learner's stable-baselines3 callbacks on training, side by side.
 
 Same algorithm, env and seed; variants interleaved over repeats, median wall
 time per variant, training throughput (gradient updates/s and env steps/s):
 
 * ``plain``        ``model.learn`` without a callback;
-* ``callback``     ``StabilityCallback`` with the Monitor on every optimizer
-                   (``every=--monitor-every``), diagnostics and lr-spike hooks, no evaluation;
-* ``no-monitor``   the callback without the Monitor (diagnostics + hooks only).
+* ``callback``     the callbacks of ``stabstudy.learners.rl.learner.callbacks_for`` without the
+                   evaluation: ``TelemetryCallback`` (the Monitor on every optimizer,
+                   ``every=--monitor-every``), ``PerturbationCallback`` (empty schedule),
+                   ``DiagnosticsCallback``, ``DivergenceCallback``, ``EpisodeReturnCallback``;
+* ``no-monitor``   the same without ``TelemetryCallback``.
 
 Evaluation episodes are excluded (they are a measurement, not overhead: the
 plain SB3 script would evaluate too). Target: overhead <= 5 %.
@@ -28,21 +30,15 @@ from stabstudy.registry import ON_POLICY
 from stabstudy.spec import RunSpec
 
 
-def one(spec: RunSpec, variant: str) -> tuple[float, int]:
+def one(spec: RunSpec, variant: str) -> tuple[float, int | None]:
+    """Wall time of one training run of ``variant`` and its gradient updates (None for ``plain``)."""
     model = rl.build_model(spec)
-    cb = None
-    if variant != "plain":
-        hp = rl.hparams_for(spec)
-        cb = rl.StabilityCallback((), eval_env=None, monitor=variant == "callback", monitor_every=hp["monitor_every"],
-                                  diag_every=hp["diag_every"], seed=spec.seed)
+    rec, cb = rl.callbacks_for(spec, monitor=variant == "callback", evaluation=False) if variant != "plain" else (None, None)
     t0 = time.perf_counter()
     model.learn(spec.steps, callback=cb)
     dt = time.perf_counter() - t0
-    n = cb.n_updates if cb is not None else None
-    if cb is not None:
-        cb.close()
     model.env.close()
-    return dt, n
+    return dt, rec.n_updates if rec is not None else None
 
 
 def main() -> None:

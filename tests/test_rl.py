@@ -1,13 +1,19 @@
 """RL learners: real tiny stable-baselines3 runs on Pendulum-v1 (seeded)."""
 
+import re
+from pathlib import Path
+
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 import xarray as xr
+from stable_baselines3.common.callbacks import CallbackList
 
 from stabstudy.analysis.studies import rl_comparison as study
 from stabstudy.interventions.perturb import Perturbation, Schedule
+from stabstudy.learners import rl as rlpkg
+from stabstudy.learners.rl import envs
 from stabstudy.learners.rl import learner as rl
 from stabstudy.spec import RunSpec
 
@@ -97,7 +103,7 @@ class _Recorder(gym.Env):
 
 
 def test_wrappers_scale_reward_and_add_noise_inside_windows():
-    W = rl._wrappers()
+    W = envs.PerturbationWrapper
     sched = Schedule((Perturbation("reward_scale", 5, 5, 3.0), Perturbation("action_noise", 20, 400, 0.5),
                       Perturbation("obs_noise", 500, 500, 2.0)))
     env = W(_Recorder(), sched, seed=0)
@@ -131,7 +137,7 @@ def test_make_env_keeps_true_episode_return_under_reward_scale():
         if done[0]:
             ep = info[0]["episode"]["r"]
     assert ep is not None and total == pytest.approx(10 * ep, rel=1e-4)
-    assert rl.env_wrapper(env).env_step == 200
+    assert envs.env_wrapper(env).env_step == 200
 
 
 def test_same_seed_same_trajectory_and_different_seed_differs():
@@ -289,22 +295,70 @@ def test_log_every_thins_update_rows_but_keeps_records():
     np.testing.assert_array_equal(full.env_step.sel(step=thin.step).values, thin.env_step.values)
 
 
-def test_callback_in_a_plain_sb3_script():
+def test_callbacks_in_a_plain_sb3_script():
     from stable_baselines3 import TD3
 
     sched = Schedule((Perturbation("lr_spike", 80, 20, 5.0), Perturbation("reward_scale", 80, 20, 2.0)))
     env = rl.make_env("Pendulum-v1", sched, seed=3)
     model = TD3("MlpPolicy", env, learning_starts=50, batch_size=16, policy_kwargs={"net_arch": [8]}, seed=3)
-    cb = rl.StabilityCallback(sched, eval_env=rl.make_eval_env("Pendulum-v1", 30), eval_every=50, eval_episodes=1)
-    model.learn(120, callback=cb)
-    cb.close()
-    ds = cb.to_dataset()
-    assert {"perf", "grad_norm_actor", "grad_norm_critic", "q_mean", "lr"} <= set(ds.data_vars)
+    rec = rlpkg.Recorder()
+    cbs = [rlpkg.TelemetryCallback(rec), rlpkg.PerturbationCallback(rec, sched),
+           rlpkg.EvaluationCallback(rec, rl.make_eval_env("Pendulum-v1", 30), every=50, episodes=1),
+           rlpkg.DiagnosticsCallback(rec), rlpkg.DivergenceCallback(rec), rlpkg.EpisodeReturnCallback(rec)]
+    model.learn(120, callback=CallbackList(cbs))
+    ds = cbs[0].to_dataset()
+    assert {"perf", "grad_norm_actor", "grad_norm_critic", "q_mean", "lr", "episode_return"} <= set(ds.data_vars)
     assert ds.perf.notnull().sum() >= 3 and ds.perturbed.max() == 1.0
     inside = (ds.env_step >= 80) & (ds.env_step < 100) & (ds.step > 0)
     np.testing.assert_allclose(ds.lr_critic.where(inside, drop=True).values, 5e-3)
-    # hooks are gone and the lr is back to SB3's value
-    assert all(g["lr"] == pytest.approx(1e-3) for g in model.critic.optimizer.param_groups)
+    # the callbacks closed themselves at the end of learn(): hooks gone, the lr back to SB3's value
+    for opt in (model.critic.optimizer, model.actor.optimizer):
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+        assert all(g["lr"] == pytest.approx(1e-3) for g in opt.param_groups)
+    with pytest.raises(RuntimeError, match="already recorded a learn"):
+        model.learn(10, callback=CallbackList(cbs))
+
+
+def test_callbacks_compose_in_any_order(monkeypatch):
+    """The same spec gives the same data whatever the order of its callbacks: the lr-spike hooks
+    run before the Monitor's, an evaluation due at a weight_noise step sees the policy before it,
+    diagnostics come before the divergence checks, and training stops at the env step of the
+    divergence."""
+    perts = (Perturbation("lr_spike", 100, 60, 10.0), Perturbation("weight_noise", 128, 1, 0.5))
+    specs = [spec("sac", steps=200, perts=perts), spec("td3", steps=300, diverge_threshold=1e3,
+                                                       perts=(Perturbation("lr_spike", 100, 150, 3e3),))]
+    ordered = [rl.run(s) for s in specs]
+    assert ordered[1].attrs["status"] == "diverged" and ordered[1].attrs["env_steps"] < 300
+    compose = rl.callbacks_for
+
+    def reversed_callbacks(s, **kw):
+        rec, cb = compose(s, **kw)
+        cb.callbacks.reverse()
+        return rec, cb
+
+    monkeypatch.setattr(rl, "callbacks_for", reversed_callbacks)
+    for a, s in zip(ordered, specs, strict=True):
+        b = rl.run(s)
+        xr.testing.assert_identical(a.drop_attrs(deep=False), b.drop_attrs(deep=False))
+        for k in ("status", "diverge_reason", "env_steps", "n_updates"):
+            assert a.attrs[k] == b.attrs[k], k
+
+
+def test_readme_sb3_example_runs_as_written(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "CallbackList(" in b]
+    assert len(blocks) == 1, "one stable-baselines3 example in README.md"
+    ns: dict = {}
+    exec(compile(blocks[0], "README.md:sb3-example", "exec"), ns)
+    ds = ns["ds"]
+    upd = ds.step.values > 0
+    inside = upd & (ds.env_step.values >= 200) & (ds.env_step.values < 250)
+    assert inside.any() and (upd & ~inside).any()
+    np.testing.assert_allclose(ds.lr.values[inside], 3e-3)
+    np.testing.assert_allclose(ds.lr.values[upd & ~inside], 3e-4)
+    np.testing.assert_array_equal(ds.perturbed.values[upd], inside[upd].astype(float))
+    assert np.isfinite(ds.grad_norm_critic.values[upd]).all()
+    assert "grad_norm_critic" in capsys.readouterr().out
 
 
 def test_mujoco_warnings_go_through_python_warnings(tmp_path, monkeypatch):
@@ -312,5 +366,5 @@ def test_mujoco_warnings_go_through_python_warnings(tmp_path, monkeypatch):
     per process in notebooks) instead of a print on every env and a MUJOCO_LOG.TXT file."""
     monkeypatch.chdir(tmp_path)
     with pytest.warns(RuntimeWarning, match="MuJoCo: .*settotalmass"):
-        rl._make_base("HalfCheetah-v5").close()
+        envs.make_base("HalfCheetah-v5").close()
     assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
