@@ -128,3 +128,27 @@ def test_load_runs_aligns_runs_and_grid_coords(tmp_store):
 def test_conform_rejects_missing_step_dim(tmp_store):
     with pytest.raises(ValueError, match="'step' dimension"):
         tmp_store.save(xr.Dataset({"loss": ("t", np.ones(3))}), toy_spec(), "ok", 0.0)
+
+
+def test_runs_record_package_versions_and_report_drift(tmp_store, monkeypatch):
+    from stabstudy.run import runner
+    from stabstudy.run.store import version_drift
+
+    toy_spec = RunSpec("toy", "gd", "digits", 3, 0, {"width": 8})
+    rl_spec = RunSpec("rl", "sac", "Pendulum-v1", 10, 0)
+    runner.run_grid([toy_spec], scheduler="serial", store=tmp_store, progress=False)
+    attrs = tmp_store.load(toy_spec).attrs
+    for name in ("python", "torch", "numpy", "xarray", "scipy"):
+        assert attrs[f"{name}_version"], name
+    assert "stable_baselines3_version" not in attrs  # the toy domain does not use it
+    assert version_drift(attrs, "toy") == []
+    import stabstudy.run.store as S
+    rl = S.provenance(rl_spec, "ok", 1.0)
+    assert rl["stable_baselines3_version"] and rl["gymnasium_version"] and rl["mujoco_version"]
+    old = {**attrs, "numpy_version": "1.0.0"}
+    assert version_drift(old, "toy") == [f"numpy 1.0.0 -> {attrs['numpy_version']}"]
+    # drift is reported, and recomputed only on request
+    monkeypatch.setattr(tmp_store, "load", lambda spec: type("D", (), {"attrs": old})())
+    assert runner.pending([toy_spec], tmp_store) == []
+    monkeypatch.setenv("STABSTUDY_RERUN_STALE", "1")
+    assert runner.pending([toy_spec], tmp_store) == [toy_spec]

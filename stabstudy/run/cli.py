@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from stabstudy import paths
@@ -15,6 +16,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"stabstudy study: error: {exc}", file=sys.stderr)
         return 2
+    if args.rerun_stale:
+        os.environ["STABSTUDY_RERUN_STALE"] = "1"  # read by run_grid inside the notebooks' kernels
     timings = study.run_study(args.profile, args.only, args.scheduler)
     total = sum(t for _, t in timings)
     print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s; "
@@ -83,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook numbers or names, e.g. --only 00 01")
     p.add_argument("--scheduler", default=None,
                    help="Dask scheduler address (default: $STABSTUDY_SCHEDULER, else an embedded LocalCluster)")
+    p.add_argument("--rerun-stale", action="store_true",
+                   help="recompute stored runs made with other package versions (`stabstudy runs` lists them)")
     p.set_defaults(func=_cmd_study)
 
     p = sub.add_parser("runs", help="list stored runs as a table", description="List stored runs (data/runs).")

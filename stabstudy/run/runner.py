@@ -26,7 +26,7 @@ import xarray as xr
 from tqdm.auto import tqdm
 
 from stabstudy.registry import learner_for
-from stabstudy.run.store import CorruptRunError, RunStore, code_identity
+from stabstudy.run.store import CorruptRunError, RunStore, code_identity, version_drift
 from stabstudy.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def made_by(domain: str) -> dict:
     """What a stored run records of the code that produced it: :func:`stabstudy.run.store.code_identity`
     and the learner's :func:`results_version`, read where the run executes (a worker's code may
     differ from the client's)."""
-    return {**code_identity(), "results_version": results_version(domain)}
+    return {**code_identity(domain), "results_version": results_version(domain)}
 
 
 def _worker_task(spec: RunSpec) -> tuple[tuple[xr.Dataset | None, str, str, float], dict]:
@@ -92,7 +92,9 @@ def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = Fals
     """Specs that still need running: absent, corrupt, stored by another
     :func:`results_version` of their learner, stale by the learner module's own
     ``stale(spec, attrs) -> reason | None`` where it has one (an LM run whose corpus
-    file changed since), or failed when ``retry_failed``.
+    file changed since), or failed when ``retry_failed``. Runs stored under other package
+    versions (:func:`stabstudy.run.store.version_drift`) are recomputed only on request:
+    ``$STABSTUDY_RERUN_STALE=1`` (``stabstudy study --rerun-stale``); ``stabstudy runs`` lists them.
 
     ``statuses`` (spec hash -> stored status), when given, is filled in so that
     callers need not read the store twice.
@@ -112,6 +114,9 @@ def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = Fals
             elif st != "failed":
                 stale = getattr(sys.modules[learner_for(spec.domain).__module__], "stale", None)
                 why = stale(spec, stored.attrs) if stale is not None else None
+            if not why and os.environ.get("STABSTUDY_RERUN_STALE") == "1":
+                drift = version_drift(stored.attrs, spec.domain)
+                why = f"was made with other package versions ({'; '.join(drift)})" if drift else None
             if why:
                 print(f"stabstudy: stored run {store.path(spec).name} {why}; recomputing {spec.label}")
                 st = "stale"

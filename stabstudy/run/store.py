@@ -99,9 +99,40 @@ def _clean_attrs(attrs: dict) -> dict:
     return out
 
 
-def code_identity() -> dict[str, str]:
-    """The code that produces runs in this process: package version, git commit, torch version."""
-    return {"stabstudy_version": __version__, "git_commit": git_commit(), "torch_version": _torch_version()}
+#: Distributions whose versions a stored run records: every run, and per domain.
+RECORDED_PACKAGES: dict[str, tuple[str, ...]] = {
+    "*": ("numpy", "xarray", "scipy"),
+    "rl": ("stable-baselines3", "gymnasium", "mujoco"),
+}
+
+
+def package_versions(domain: str | None = None) -> dict[str, str]:
+    """``<name>_version`` of python and the :data:`RECORDED_PACKAGES` a run of ``domain`` uses."""
+    import importlib.metadata as md
+    import platform
+
+    names = RECORDED_PACKAGES["*"] + (RECORDED_PACKAGES.get(domain, ()) if domain else ())
+    out = {"python_version": platform.python_version()}
+    for name in names:
+        try:
+            out[f"{name.replace('-', '_')}_version"] = md.version(name)
+        except md.PackageNotFoundError:
+            out[f"{name.replace('-', '_')}_version"] = "not installed"
+    return out
+
+
+def code_identity(domain: str | None = None) -> dict[str, str]:
+    """The code that produces runs in this process: package version, git commit, torch version,
+    and the :func:`package_versions` of ``domain``."""
+    return {"stabstudy_version": __version__, "git_commit": git_commit(), "torch_version": _torch_version(),
+            **package_versions(domain)}
+
+
+def version_drift(attrs: dict, domain: str | None = None) -> list[str]:
+    """``name stored -> installed`` for each recorded version that differs from this process's
+    (a run stored before versions were recorded reports nothing)."""
+    now = {k: v for k, v in code_identity(domain).items() if k.endswith("_version") and k != "stabstudy_version"}
+    return [f"{k[:-8]} {attrs[k]} -> {v}" for k, v in now.items() if k in attrs and str(attrs[k]) != v]
 
 
 def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
@@ -110,7 +141,7 @@ def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
     of the process that ran it (a Dask worker's), when not this one."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(STATUSES)}")
-    code = {**code_identity(), **(made_by or {})}
+    code = {**code_identity(spec.domain), **(made_by or {})}
     return {
         "spec": spec.to_json(),
         "spec_hash": spec.spec_hash,
@@ -118,9 +149,7 @@ def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
         "learner": spec.learner,
         "perturbation": json.dumps([p.to_dict() for p in spec.perturbations]),
         "seed": spec.seed,
-        "stabstudy_version": code["stabstudy_version"],
-        "git_commit": code["git_commit"],
-        "torch_version": code["torch_version"],
+        **code,
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "wall_time_s": float(wall_time_s),
         "status": status,
@@ -214,6 +243,7 @@ class RunStore:
                 "perturbation": ",".join(f"{p.kind}x{p.dose:g}@{p.start}" for p in spec.perturbations) or "none",
                 "steps": int(ds.sizes.get("step", 0)), "wall_time_s": round(float(ds.attrs.get("wall_time_s", np.nan)), 1),
                 "created_utc": ds.attrs.get("created_utc", ""),
+                "version_drift": "; ".join(version_drift(ds.attrs, spec.domain)),
             })
         return pd.DataFrame(rows)
 
