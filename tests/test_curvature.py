@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -136,7 +137,7 @@ def test_lanczos_budget_is_a_hard_cap_and_unconverged_returns_best_ritz_value():
         # a Ritz value: a lower bound on the top eigenvalue, non-decreasing in the budget
         assert np.isfinite(res.value) and res.value <= top + 1e-9 and res.value >= prev - 1e-9
         prev = res.value
-    # a restarted run (budget above ARPACK's basis size) still uses at most the budget
+    # a thick-restarted run (budget above the basis size MAX_NCV) still uses at most the budget
     res = cv.lambda_max(loss_fn, params, iters=3 * cv.MAX_NCV + 5, tol=1e-12, seed=0)
     assert res.iters <= 3 * cv.MAX_NCV + 5 and res.value <= top + 1e-9
     assert res.value == pytest.approx(top, rel=1e-3)
@@ -144,7 +145,7 @@ def test_lanczos_budget_is_a_hard_cap_and_unconverged_returns_best_ritz_value():
 
 def test_lanczos_tiny_problems_and_nonfinite():
     w = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
-    res = cv.lambda_max(lambda: 3.0 * w[0] ** 2, [w])  # n = 1: ARPACK needs n > 1
+    res = cv.lambda_max(lambda: 3.0 * w[0] ** 2, [w])  # n = 1: one HVP is the whole Hessian
     assert res.value == pytest.approx(6.0) and res.iters == 1 and res.converged
     w2 = torch.tensor([0.3, -0.2], dtype=torch.float64, requires_grad=True)
     res = cv.lambda_max(lambda: w2[0] ** 2 - 3 * w2[1] ** 2, [w2], iters=2)
@@ -255,3 +256,135 @@ def test_lambda_max_through_fused_attention():
     x = torch.randint(0, 256, (2, 8))
     res = cv.lambda_max(lambda: model(x, x).loss, list(model.parameters()), iters=5, seed=0)
     assert math.isfinite(res.value) and res.value > 0
+
+
+# -- device-resident eigensolvers: no host copies, the model's dtype, determinism ------------------
+
+class HostTransferGuard(torch.overrides.TorchFunctionMode):
+    """Records every move of a large tensor to host memory or numpy, and every large float64 result.
+
+    On CPU ``.cpu()`` is a no-op, so conversions are caught at the call instead: ``numpy``,
+    ``tolist``, ``item``, ``__array__``, ``cpu``, ``to``/``double`` towards the CPU or float64.
+    "Large" is more than ``limit`` elements: the Lanczos coefficients (MAX_NCV + 2 numbers)
+    may travel, a parameter-sized vector may not.
+    """
+
+    HOST = {"numpy", "tolist", "item", "__array__", "cpu", "__float__"}
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+        self.host, self.float64 = [], []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        t = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if t is not None and t.numel() > self.limit:
+            to_cpu = name == "to" and any(a == "cpu" or a == torch.device("cpu") for a in (*args[1:], kwargs.get("device")))
+            to_f64 = name == "double" or (name == "to" and torch.float64 in (*args[1:], kwargs.get("dtype")))
+            if name in self.HOST or to_cpu or to_f64:
+                self.host.append((name, tuple(t.shape)))
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel() > self.limit:
+            self.float64.append((name, tuple(out.shape)))
+        return out
+
+
+def float32_mlp(seed=0):
+    """An 8-32-32-4 tanh MLP (1476 parameters) in float32, its float64 twin and their losses."""
+    torch.manual_seed(seed)
+    m64 = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                              torch.nn.Linear(32, 4)).double()
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64)
+    y = torch.randn(64, 4, generator=g, dtype=torch.float64)
+    m32 = copy.deepcopy(m64).float()
+    x32, y32 = x.float(), y.float()
+    return (m32, lambda: ((m32(x32) - y32) ** 2).mean()), (m64, lambda: ((m64(x) - y) ** 2).mean())
+
+
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_no_parameter_sized_host_copy_or_float64_during_lambda_max(method):
+    (model, loss_fn), _ = float32_mlp()
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    limit = 2 * cv.MAX_NCV + 2
+    assert limit < 200 < n
+    guard = HostTransferGuard(limit)
+    with guard:
+        res = cv.lambda_max(loss_fn, params, iters=30, tol=1e-6, seed=0, method=method)
+        P = [torch.rand_like(p) + 0.5 for p in params]
+        pre = cv.precond_sharpness(loss_fn, params, P, iters=30, tol=1e-6, seed=0, method=method)
+    assert math.isfinite(res.value) and math.isfinite(pre.value) and res.iters > 1
+    assert guard.host == [], f"parameter-sized data went to the host: {guard.host[:5]}"
+    assert guard.float64 == [], f"parameter-sized float64 arithmetic: {guard.float64[:5]}"
+
+
+def test_float32_lanczos_matches_the_float64_dense_top_eigenvalue():
+    """Float32 vectors and coefficients suffice: measured 1e-6 relative error at the default
+    budget (it stops on the residual test) and 2e-8 run out, against the float64 dense value."""
+    (m32, loss32), (m64, loss64) = float32_mlp()
+    top = np.linalg.eigvalsh(cv.dense_hessian(loss64, list(m64.parameters())))[-1]
+    res = cv.lambda_max(loss32, list(m32.parameters()), seed=0)  # the default budget: 20 HVPs, tol 1e-3
+    assert res.converged and res.iters <= 20
+    assert res.value == pytest.approx(top, rel=1e-4)
+    tight = cv.lambda_max(loss32, list(m32.parameters()), iters=100, tol=1e-6, seed=0)
+    assert tight.converged and tight.value == pytest.approx(top, rel=1e-6)
+    # half-precision parameters: the HVP runs in bfloat16, the Lanczos vectors in float32
+    mbf = copy.deepcopy(m32).to(torch.bfloat16)
+    xb = [p for p in mbf.parameters()]
+    g = torch.Generator().manual_seed(1)  # float32_mlp's data
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    y = torch.randn(64, 4, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    bf = cv.lambda_max(lambda: ((mbf(x) - y) ** 2).mean(), xb, seed=0)
+    assert bf.value == pytest.approx(top, rel=0.01)
+
+
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_lambda_max_is_deterministic_for_a_seed(method):
+    (model, loss_fn), _ = float32_mlp(3)
+    params = list(model.parameters())
+    runs = [cv.lambda_max(loss_fn, params, iters=15, tol=0.0, seed=s, method=method) for s in (7, 7, 8)]
+    assert (runs[0].value, runs[0].iters) == (runs[1].value, runs[1].iters)
+    assert runs[2].value != runs[0].value  # another starting vector
+    assert runs[2].value == pytest.approx(runs[0].value, rel=1e-3 if method == "lanczos" else 0.1)
+    # a caller's generator advances: a second measurement starts elsewhere, a reseeded one repeats
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    a = [cv.lambda_max(loss_fn, params, iters=15, tol=0.0, generator=g1, method=method).value for _ in range(2)]
+    b = [cv.lambda_max(loss_fn, params, iters=15, tol=0.0, generator=g2, method=method).value for _ in range(2)]
+    assert a == b and a[0] != a[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_thick_restart_converges_on_a_small_gap(dtype):
+    """Top eigenvalues 1, 0.99, 0.98 over [-1, 0.97]: one basis of MAX_NCV vectors is not enough."""
+    n = 300
+    g = torch.Generator().manual_seed(2)
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    ev = torch.cat([torch.tensor([1.0, 0.99, 0.98]), torch.linspace(-1, 0.97, n - 3)]).double()
+    A = ((Q * ev) @ Q.T).to(dtype)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
+    loss_fn = lambda: 0.5 * x @ A @ x  # noqa: E731
+    short = cv.lambda_max(loss_fn, [x], iters=cv.MAX_NCV, tol=1e-8, seed=0)
+    assert not short.converged and short.value < 1.0 - 1e-3
+    res = cv.lambda_max(loss_fn, [x], iters=300, tol=1e-8, seed=0)
+    assert res.converged and cv.MAX_NCV < res.iters < 300
+    assert res.value == pytest.approx(1.0, abs=1e-6 if dtype == torch.float32 else 1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", cv.METHODS)
+def test_lambda_max_on_cuda_stays_on_the_device(method):
+    (model, _), (m64, loss64) = float32_mlp()
+    model = model.cuda()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=g, dtype=torch.float64).float().cuda()
+    y = torch.randn(64, 4, generator=g, dtype=torch.float64).float().cuda()
+    top = np.linalg.eigvalsh(cv.dense_hessian(loss64, list(m64.parameters())))[-1]
+    guard = HostTransferGuard(2 * cv.MAX_NCV + 2)
+    with guard:
+        res = cv.lambda_max(lambda: ((model(x) - y) ** 2).mean(), list(model.parameters()), iters=100, tol=1e-6,
+                            seed=0, method=method)
+    assert guard.host == [] and guard.float64 == []
+    assert res.value == pytest.approx(top, rel=1e-3)
