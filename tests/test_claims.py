@@ -96,3 +96,16 @@ def test_table_applies_holm_and_downgrades_verdicts_that_rest_on_p():
     assert df.p_holm.iloc[0] == pytest.approx(0.003)
     md = C.to_markdown(df)
     assert md.count("\n") == 6 and "**not tested**" in md and "Holm-adjusted" in md
+
+
+def test_table_keeps_a_not_supported_verdict_that_rests_on_the_opposite_test():
+    """A directional 'not supported' rests on the test against the claim; Holm re-checks that
+    p-value, not the (large) one for the claim, which would demote every failure to inconclusive."""
+    down = rng.normal(0, 1, 8)
+    rows = [C.paired_difference("up", SRC, down - 3 + rng.normal(0, 0.5, 8), down, direction="greater"),
+            C.difference("a>b", SRC, rng.normal(0, 1, 10), rng.normal(5, 1, 10), direction="greater"),
+            C.rate_comparison("more collapses", SRC, 0, 10, 9, 10),
+            C.correlation("pos", SRC, np.arange(20.0), -np.arange(20.0) ** 2, expect="positive")]
+    assert [c.verdict for c in rows] == ["not supported"] * 4
+    assert all(c.p < 0.01 and "opposite direction p" in c.reason for c in rows)
+    assert list(C.table(rows).verdict) == ["not supported"] * 4

@@ -37,12 +37,16 @@ def test_max_drawdown_ignores_nan_and_maps_runs():
 def test_recovery_time_loss_spike_example():
     loss = np.r_[np.ones(100), 3 * np.ones(10), 1.05 * np.ones(20)]
     assert events.recovery_time(loss, 100, higher_is_better=False) == 10.0
-    # never leaves the band
-    assert events.recovery_time(np.ones(50), 20, higher_is_better=False) == 0.0
+    # never leaves the band: nothing to recover from, which is not "recovered at once"
+    assert math.isnan(events.recovery_time(np.ones(50), 20, higher_is_better=False))
+    assert events.recovery_state(np.ones(50), 20, higher_is_better=False)[0] == "never_left"
+    assert events.recovery_state(loss, 100, higher_is_better=False) == ("recovered", 10.0)
     # never comes back
     assert math.isinf(events.recovery_time(np.r_[np.ones(20), 5 * np.ones(10)], 20, higher_is_better=False))
-    # no baseline
+    # no baseline, or no point after the event
     assert math.isnan(events.recovery_time(np.ones(10), 0))
+    assert events.recovery_state(np.ones(10), 20)[0] == "undefined"
+    assert events.recovery_state(np.r_[np.ones(20), 5 * np.ones(10)], 20, higher_is_better=False)[0] == "not_recovered"
 
 
 def test_recovery_time_returns_with_step_axis_and_abs_tol():
@@ -89,3 +93,57 @@ def test_is_collapsed_over_runs_with_nan_event():
     ev = xr.DataArray([30.0, 30.0, np.nan], dims=["run"], coords={"run": [0, 1, 2]})
     out = events.is_collapsed(two, ev)
     assert out.values[0] == 1.0 and out.values[1] == 0.0 and np.isnan(out.values[2])
+
+
+def test_collapse_states_and_outcome():
+    r = events.collapse(curve([-300, 100, 400, 700, 700, -200, -250, -250, -240, -260]), 50)
+    assert (r.state, r.outcome) == ("collapsed", 1.0)
+    r = events.collapse(curve([-300, 100, 400, 700, 700, -200, 500, 680, 700, 710]), 50)
+    assert (r.state, r.outcome) == ("recovered", 0.0)
+    r = events.collapse(curve([-300, 100, 400, 700, 700, 650, 720, 690, 700, 710]), 50)
+    assert (r.state, r.outcome) == ("no_drop", 0.0)
+    assert r.to_dict()["state"] == "no_drop" and r.to_dict()["baseline"] == pytest.approx(600.0)
+
+
+def test_irreversible_needs_an_observation_window_after_the_dip():
+    late_dip = curve([-300, 100, 400, 700, 700, 690, 700, 710, 700, -200])  # dip at the last evaluation
+    r = events.collapse(late_dip, 50)
+    assert r.state == "unobserved" and np.isnan(r.outcome) and not r.collapsed and r.drop_step == 90
+    two_after = curve([-300, 100, 400, 700, 700, 690, 700, -200, -210, -220])  # two evaluations after the dip
+    assert events.collapse(two_after, 50, min_after=2).state == "collapsed"
+    assert events.collapse(two_after, 50, min_after=3).state == "unobserved"
+    # a window the data do not cover cannot show that the run stayed down for the whole window
+    assert events.collapse(two_after, 50, window=100).state == "unobserved"
+    assert events.collapse(two_after, 50, window=20).state == "collapsed"
+    with pytest.raises(ValueError, match="min_after"):
+        events.collapse(two_after, 50, min_after=0)
+
+
+def test_no_data_after_the_event_is_no_verdict():
+    r = events.collapse(curve([-300, 100, 700, 700]), 50)
+    assert r.state == "no_data" and np.isnan(r.outcome)
+    assert events.collapse(curve([np.nan, np.nan]), 5).state == "no_data"
+
+
+def test_runs_broken_before_the_event_are_pre_event_invalid():
+    ok = curve([-300, 100, 700, 700, -250, -250, -250])
+    # training stopped as diverged before the event: no verdict, counted separately
+    r = events.collapse(curve([-300, 100, 700, np.nan, np.nan, np.nan, np.nan]), 40, diverged_at=25)
+    assert r.state == "pre_event_invalid" and r.pre_event_invalid and np.isnan(r.outcome)
+    # diverged after the event: a collapse
+    r = events.collapse(ok, 40, diverged_at=45)
+    assert r.state == "diverged" and r.outcome == 1.0 and r.collapsed
+    # a non-finite value before the event
+    assert events.collapse(curve([-300, np.inf, 700, 700, -250, -250, -250]), 40).state == "pre_event_invalid"
+    # already collapsed before the event: the baseline lost more than half of the best pre-event gain
+    already = curve([-300, 700, 700, -200, -250, -250, -250, -250])
+    assert events.collapse(already, 60).state == "pre_event_invalid"
+    assert events.collapse(ok, 40).state == "collapsed"
+
+
+def test_is_collapsed_gives_nan_without_a_verdict():
+    late = curve([-300, 100, 700, 700, 700, -250])
+    two = xr.concat([late, late], dim="run").assign_coords(run=[0, 1])
+    ev = xr.DataArray([30.0, 50.0], dims=["run"], coords={"run": [0, 1]})
+    out = events.is_collapsed(two, ev)
+    assert np.isnan(out.values[0]) and np.isnan(out.values[1])  # one dip at the last point; no point after 50

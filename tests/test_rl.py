@@ -54,7 +54,7 @@ def test_callback_records_every_channel(algo):
     # perf at the untrained policy (step 0), at every eval and at the end
     perf = ds.perf.dropna("step")
     assert perf.step.values[0] == 0 and perf.sizes["step"] >= 2
-    assert ds.perf_env_step.dropna("step").values[-1] == 256 if algo != "a2c" else 64
+    assert ds.perf_env_step.dropna("step").values[-1] == (256 if algo != "a2c" else 64)
     # env_step is a non-decreasing coordinate along step; step counts updates
     assert "env_step" in ds.coords and np.all(np.diff(ds.env_step.values) >= 0)
     assert ds.step.values[-1] == ds.attrs["n_updates"]
@@ -216,7 +216,10 @@ def test_grids_and_summary(tmp_path):
     assert curves.dims == ("run", "env_step") and np.isfinite(curves.values[:, 0]).all()
     table = study.summarize(ds)
     assert len(table) == 4 and set(table.learner) == {"ppo", "sac"}
-    assert table.stability.between(0, 1).all() and table.collapsed.isin([0.0, 1.0]).all()
+    # a drop at the last evaluations has no observation window after it: no verdict (NaN), not a collapse
+    decided = table.collapse_state != "unobserved"
+    assert table.collapsed[decided].isin([0.0, 1.0]).all() and table.collapsed[~decided].isna().all()
+    assert table.stability.dropna().between(0, 1).all()
 
 
 def test_summary_of_a_run_does_not_depend_on_the_other_runs():
@@ -258,21 +261,8 @@ def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scal
     return pd.DataFrame(rows)
 
 
-def test_claims_table_verdicts_follow_the_data():
-    t = study.claims_table(_table(1.0, 0.0, n=8), scale=2000.0)
-    v = dict(zip(t["claim"], t["supported?"], strict=True))
-    assert v["PPO collapses irreversibly after a single learning-rate spike"] == "supported"
-    assert v["SAC keeps learning after a single learning-rate spike"] == "supported"
-    assert v["returns before the spike are comparable across algorithms"] == "supported"
-    assert v["same pattern under action noise (ppo collapses, sac, td3 do not)"] == "supported"
-    t2 = study.claims_table(_table(0.0, 0.0, n=8), scale=2000.0)
-    v2 = dict(zip(t2["claim"], t2["supported?"], strict=True))
-    assert v2["PPO collapses irreversibly after a single learning-rate spike"] == "not supported"
-    # 2 of 2 collapsing leaves a 95% interval that straddles 50%: no verdict, only a lean
-    v3 = dict(zip(*study.claims_table(_table(1.0, 0.0, n=2), scale=2000.0)[["claim", "supported?"]].T.values, strict=True))
-    assert v3["PPO collapses irreversibly after a single learning-rate spike"] == "inconclusive (leans for)"
-    assert "0% of 8 runs collapsed" in t2.set_index("claim").loc[
-        "PPO collapses irreversibly after a single learning-rate spike", "our measurement"]
+def test_group_summary_and_dose_response():
+    # the verdicts of claims_table are tested for, against and on missing data in test_claims_tables.py
     g = study.group_summary(_table(0.5, 0.0))
     assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
     # a run without a verdict (NaN) is in neither the fraction nor its denominator n

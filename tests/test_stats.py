@@ -84,6 +84,20 @@ def test_stability_score_ignores_level():
     assert s_dip == pytest.approx(1 - 0.5 * (base - 500) / 1000 - 0.5 * 10 / 140)
 
 
+def test_stability_score_is_nan_without_data_around_the_event():
+    """Missing is not perfect: a run with nothing after the event (it stopped, or was never
+    evaluated there) or nothing before it has no score, not 1.0."""
+    steps = np.arange(30) * 10
+    stopped = np.r_[np.linspace(0, 1000, 15), np.full(15, np.nan)]
+    assert math.isnan(stats.stability_score(stopped, event_step=150, scale=1000.0, steps=steps))
+    no_baseline = np.r_[np.full(15, np.nan), np.full(15, 1000.0)]
+    assert math.isnan(stats.stability_score(no_baseline, event_step=150, scale=1000.0, steps=steps))
+    da = xr.DataArray(np.stack([stopped, np.r_[np.linspace(0, 1000, 15), np.full(15, 1000.0)]]), dims=["run", "step"],
+                      coords={"step": steps})
+    out = stats.stability_score(da, event_step=150, scale=1000.0).values
+    assert math.isnan(out[0]) and out[1] == 1.0  # a flat run after the event never left the band
+
+
 def test_collapse_probability_and_critical_dose():
     p, lo, hi = stats.collapse_probability([1, 0, 1, 1, np.nan])
     assert p == 0.75 and lo < 0.75 < hi

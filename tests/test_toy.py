@@ -138,14 +138,24 @@ def test_lambda_max_check_small():
 def test_claims_table_needs_three_learning_rates_not_three_runs():
     import pandas as pd
 
+    from stabstudy.analysis import claims as C
+
     dense = {"tolerance": 0.02, "measured": 1.0, "target": 1.0, "rel_error": 0.0, "iters_used": 10, "passed": True}
-    row = lambda lr, seed: {"lr": lr, "seed": seed, "ratio": 1.0, "passed": True}  # noqa: E731
+    row = lambda lr, seed, ratio=1.0: {"lr": lr, "seed": seed, "ratio": ratio}  # noqa: E731
     adam = pd.DataFrame([row(1e-3, 0)])
-    spike = [{"check": "loss jump", "measured": 2.0, "passed": True}]
     two_lrs = pd.DataFrame([row(lr, s) for lr in (0.01, 0.02) for s in (0, 1)])  # 4 runs, 2 lrs
-    gd_claim = study.claims_table(dense, two_lrs, adam, spike).iloc[1]["supported?"]
-    assert gd_claim == "not tested (only 2 learning rate(s))"
+    gd_claim = study.claims_table(dense, two_lrs, adam, [])[1]
+    assert gd_claim.verdict == "inconclusive" and gd_claim.n == 2 and "2 < 3 needed" in gd_claim.reason
     three = pd.DataFrame([row(lr, 0) for lr in (0.01, 0.02, 0.04)])
-    assert study.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "yes"
-    three.loc[1, "passed"] = False
-    assert study.claims_table(dense, three, adam, spike).iloc[1]["supported?"] == "no"
+    assert study.claims_table(dense, three, adam, [])[1].verdict == "supported"
+    three.loc[1, "ratio"] = 1.5
+    assert study.claims_table(dense, three, adam, [])[1].verdict == "inconclusive"  # 2 of 3 within
+    three["ratio"] = 0.5
+    assert study.claims_table(dense, three, adam, [])[1].verdict == "not supported"
+    # the dense-Hessian check is about one measurement: one suffices
+    assert study.claims_table(dense, three, adam, [])[0].verdict == "supported"
+    # the spike claims need three seeds: one pair of runs gives no verdict
+    one = [{"loss_jump": 10.0, "grad_norm_jump": 10.0, "sharpness_drop": 0.9, "baseline_sharpness_drop": 0.0}]
+    assert {c.verdict for c in study.claims_table(dense, three, adam, one)[3:]} == {"inconclusive"}
+    assert set(C.table(study.claims_table(None, pd.DataFrame(), pd.DataFrame(), [])).verdict) <= {
+        "not tested", "inconclusive"}

@@ -47,8 +47,9 @@ class Claim:
 
     ``effect`` and ``ci`` are in the units the ``test`` names (e.g. a paired
     difference of final losses); ``n`` counts the runs, pairs or measurements used;
-    ``p`` is the raw p-value (NaN where the rule uses none). ``p_decides`` marks
-    verdicts that rest on ``p < alpha``, which :func:`table` re-checks after Holm.
+    ``p`` is the raw p-value the verdict rests on (NaN where the rule uses none): the
+    test for the claim, or for "not supported" the test against it. ``p_decides``
+    marks verdicts that rest on ``p < alpha``, which :func:`table` re-checks after Holm.
     """
 
     claim: str
@@ -105,6 +106,16 @@ def _directional(p_for: float, p_against: float, alpha: float) -> str:
     return "inconclusive"
 
 
+def _deciding_p(verdict: str, p_for: float, p_against: float) -> float:
+    """The p-value a directional verdict rests on (the one :func:`table` re-checks after Holm):
+    a "not supported" rests on the test in the opposite direction, as in :func:`equivalence`."""
+    return p_against if verdict == "not supported" else p_for
+
+
+def _against(verdict: str, p_against: float) -> str:
+    return f", opposite direction p = {p_against:.3g}" if verdict == "not supported" else ""
+
+
 def paired_difference(claim: str, source: str, treated: Sequence[float], control: Sequence[float], *,
                       direction: Direction, alpha: float = 0.05, min_n: int = 3,
                       test: Literal["ttest", "wilcoxon"] = "ttest", seed: int = 0) -> Claim:
@@ -139,8 +150,8 @@ def paired_difference(claim: str, source: str, treated: Sequence[float], control
     ci = _boot_ci((d,), np.mean if test == "ttest" else np.median, 1 - alpha, seed)
     verdict = _directional(p_for, p_against, alpha)
     return Claim(claim, source, verdict, f"{'mean' if test == 'ttest' else 'median'} paired difference "
-                 f"{effect:.3g}, one-sided p = {p_for:.3g}", effect, ci, int(d.size), name, p_for,
-                 p_decides=verdict != "inconclusive")
+                 f"{effect:.3g}, one-sided p = {p_for:.3g}{_against(verdict, p_against)}", effect, ci, int(d.size),
+                 name, _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
 
 
 def difference(claim: str, source: str, a: Sequence[float], b: Sequence[float], *, direction: Direction,
@@ -161,8 +172,9 @@ def difference(claim: str, source: str, a: Sequence[float], b: Sequence[float], 
     effect = float(x.mean() - y.mean())
     ci = _boot_ci((x, y), lambda u, v: np.mean(u) - np.mean(v), 1 - alpha, seed)
     verdict = _directional(p_for, p_against, alpha)
-    return Claim(claim, source, verdict, f"difference of means {effect:.3g}, one-sided p = {p_for:.3g}",
-                 effect, ci, int(x.size + y.size), "Welch t-test", p_for, p_decides=verdict != "inconclusive")
+    return Claim(claim, source, verdict, f"difference of means {effect:.3g}, one-sided p = {p_for:.3g}"
+                 f"{_against(verdict, p_against)}", effect, ci, int(x.size + y.size), "Welch t-test",
+                 _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
 
 
 def equivalence(claim: str, source: str, a: Sequence[float], b: Sequence[float], *, margin: float,
@@ -239,9 +251,10 @@ def rate_comparison(claim: str, source: str, k_treated: int, n_treated: int, k_c
     c1, c0 = rate_ci(k_treated, n_treated, 1 - alpha), rate_ci(k_control, n_control, 1 - alpha)
     verdict = _directional(p_for, p_against, alpha)
     reason = (f"{k_treated}/{n_treated} [{c1[0]:.2f}, {c1[1]:.2f}] vs {k_control}/{n_control} "
-              f"[{c0[0]:.2f}, {c0[1]:.2f}] (Clopper-Pearson), one-sided p = {p_for:.3g}")
-    return Claim(claim, source, verdict, reason, r1 - r0, (NAN, NAN), int(n_treated + n_control), test, p_for,
-                 p_decides=verdict != "inconclusive")
+              f"[{c0[0]:.2f}, {c0[1]:.2f}] (Clopper-Pearson), one-sided p = {p_for:.3g}"
+              f"{_against(verdict, p_against)}")
+    return Claim(claim, source, verdict, reason, r1 - r0, (NAN, NAN), int(n_treated + n_control), test,
+                 _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
 
 
 def correlation(claim: str, source: str, x: Sequence[float], y: Sequence[float], *,
@@ -286,8 +299,9 @@ def correlation(claim: str, source: str, x: Sequence[float], y: Sequence[float],
     p_against = float(sps.spearmanr(a, b, alternative=other).pvalue)
     ci = _boot_ci((a, b), rho, 1 - alpha, seed, paired=True)
     verdict = _directional(p_for, p_against, alpha)
-    return Claim(claim, source, verdict, f"rho = {r:.2f}, one-sided p = {p_for:.3g}", r, ci, int(a.size), test,
-                 p_for, p_decides=verdict != "inconclusive")
+    return Claim(claim, source, verdict, f"rho = {r:.2f}, one-sided p = {p_for:.3g}{_against(verdict, p_against)}",
+                 r, ci, int(a.size), test, _deciding_p(verdict, p_for, p_against),
+                 p_decides=verdict != "inconclusive")
 
 
 def within_tolerance(claim: str, source: str, measured: Sequence[float], target: Sequence[float] | float, *,

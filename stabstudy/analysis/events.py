@@ -18,6 +18,11 @@ Conventions (documented once, used everywhere):
   ``event_step``.
 * Times are in the units of the ``step`` axis and are measured from
   ``event_step``.
+* A verdict needs data: a run without a baseline, without points after the
+  event, or without enough points after a drop to tell a dip from a collapse
+  gets NaN (not tested), never a verdict either way. A run that was already
+  broken before the event (diverged, non-finite, or collapsed) is
+  ``pre_event_invalid``: it says nothing about the event.
 
 References: Chan et al. 2020 (drawdown, "Measuring the reliability of RL
 algorithms"); collapse and recovery definitions are this study's, stated in the
@@ -34,6 +39,8 @@ import numpy as np
 import xarray as xr
 
 __all__ = [
+    "COLLAPSE_STATES",
+    "RECOVERY_STATES",
     "CollapseResult",
     "as_series",
     "baseline",
@@ -41,8 +48,15 @@ __all__ = [
     "is_collapsed",
     "max_drawdown",
     "map_runs",
+    "recovery_state",
     "recovery_time",
 ]
+
+#: Outcomes of :func:`collapse`; only ``collapsed`` and ``diverged`` count as a collapse,
+#: only ``no_drop`` and ``recovered`` as none, the others are no verdict (NaN).
+COLLAPSE_STATES = ("collapsed", "diverged", "no_drop", "recovered", "unobserved", "pre_event_invalid", "no_data")
+#: Outcomes of :func:`recovery_state`.
+RECOVERY_STATES = ("never_left", "recovered", "not_recovered", "undefined")
 
 
 # -- plumbing ----------------------------------------------------------------------
@@ -162,6 +176,44 @@ def max_drawdown(
 # -- recovery ----------------------------------------------------------------------
 
 
+def recovery_state(
+    x: Any,
+    event_step: float,
+    steps: Any = None,
+    *,
+    tol: float = 0.1,
+    abs_tol: float | None = None,
+    baseline_points: int = 3,
+    higher_is_better: bool = True,
+    dim: str = "step",
+) -> tuple[str, float]:
+    """``(state, time)`` of the curve's return to its pre-event band (see :func:`recovery_time`).
+
+    ``state`` is one of :data:`RECOVERY_STATES`: ``never_left`` (no point after the
+    event outside the band: nothing to recover from, time NaN), ``recovered`` (left,
+    then back: time = first step back in the band - ``event_step``),
+    ``not_recovered`` (left and never back within the data: time inf) or
+    ``undefined`` (no finite point before ``event_step`` or none at or after it:
+    time NaN).
+    """
+    s, v = as_series(x, steps, dim)
+    event_step = _scalar(event_step)
+    b = baseline(x, event_step, baseline_points, steps, dim)
+    post = s >= event_step
+    if math.isnan(b) or not post.any():
+        return "undefined", math.nan
+    width = abs_tol if abs_tol is not None else tol * abs(b)
+    post_s, post_v = s[post], v[post]
+    inside = post_v >= b - width if higher_is_better else post_v <= b + width
+    out = np.flatnonzero(~inside)
+    if out.size == 0:
+        return "never_left", math.nan
+    back = np.flatnonzero(inside[out[0]:])
+    if back.size == 0:
+        return "not_recovered", math.inf
+    return "recovered", float(post_s[out[0] + back[0]] - event_step)
+
+
 def recovery_time(
     x: Any,
     event_step: float,
@@ -182,9 +234,11 @@ def recovery_time(
     event_step``.
 
     Returns:
-        ``0.0`` when the curve never leaves the band after the event;
         ``inf`` when it leaves and never comes back (within the data);
-        ``NaN`` when undefined (no finite point before ``event_step``).
+        ``NaN`` when the curve never leaves the band after the event (a run that
+        was never hit has not "recovered": :func:`recovery_state` says
+        ``never_left``) and when undefined (no finite point before ``event_step``
+        or none after it).
 
     Example: loss 1.0 before a spike at step 100, 3.0 at steps 100-109, 1.05 from
     step 110 -> ``recovery_time(loss, 100, higher_is_better=False) == 10``.
@@ -192,21 +246,8 @@ def recovery_time(
     if _multi(x, dim):
         return map_runs(recovery_time, x, dim, event_step=event_step, tol=tol, abs_tol=abs_tol,
                         baseline_points=baseline_points, higher_is_better=higher_is_better)
-    s, v = as_series(x, steps, dim)
-    event_step = _scalar(event_step)
-    b = baseline(x, event_step, baseline_points, steps, dim)
-    if math.isnan(b):
-        return math.nan
-    width = abs_tol if abs_tol is not None else tol * abs(b)
-    post_s, post_v = s[s >= event_step], v[s >= event_step]
-    inside = post_v >= b - width if higher_is_better else post_v <= b + width
-    out = np.flatnonzero(~inside)
-    if out.size == 0:
-        return 0.0
-    back = np.flatnonzero(inside[out[0]:])
-    if back.size == 0:
-        return math.inf
-    return float(post_s[out[0] + back[0]] - event_step)
+    return recovery_state(x, event_step, steps, tol=tol, abs_tol=abs_tol, baseline_points=baseline_points,
+                          higher_is_better=higher_is_better, dim=dim)[1]
 
 
 # -- collapse ----------------------------------------------------------------------
@@ -217,7 +258,7 @@ class CollapseResult:
     """Outcome of :func:`collapse` (all numbers in the curve's units / steps)."""
 
     collapsed: bool
-    """True: dropped below ``frac`` of the pre-event level and did not recover within ``window``."""
+    """True: ``state`` is ``collapsed`` or ``diverged``."""
     drop_step: float
     """First step >= event with level < frac (NaN if never)."""
     baseline: float
@@ -228,9 +269,36 @@ class CollapseResult:
     """Lowest post-event level, ``1 + (x - baseline) / max(baseline - floor, min_gain)`` (1 = baseline, 0 = floor)."""
     final_level: float
     """Level of the last finite point."""
+    state: str = "no_data"
+    """One of :data:`COLLAPSE_STATES`."""
 
-    def to_dict(self) -> dict[str, float]:
-        return {k: float(v) for k, v in asdict(self).items()}
+    @property
+    def outcome(self) -> float:
+        """1.0 collapsed, 0.0 not collapsed, NaN no verdict (unobserved, pre-event invalid, no data)."""
+        if self.state in ("collapsed", "diverged"):
+            return 1.0
+        if self.state in ("no_drop", "recovered"):
+            return 0.0
+        return math.nan
+
+    @property
+    def pre_event_invalid(self) -> bool:
+        """The run was already broken before the event (diverged, non-finite or collapsed)."""
+        return self.state == "pre_event_invalid"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: float(v) for k, v in asdict(self).items() if k != "state"}
+        out["state"] = self.state
+        return out
+
+
+def _raw_values(x: Any, steps: Any, dim: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(steps, values)`` with non-finite values kept (``as_series`` drops them)."""
+    if isinstance(x, xr.DataArray):
+        s = np.asarray(x[x.dims[0]].values if x.dims[0] in x.coords else np.arange(x.size), dtype=float)
+        return s, np.asarray(x.values, dtype=float)
+    v = np.asarray(x, dtype=float)
+    return (np.arange(v.size) if steps is None else np.asarray(steps, dtype=float)), v
 
 
 def collapse(
@@ -244,6 +312,8 @@ def collapse(
     floor: float | None = None,
     baseline_points: int = 3,
     min_gain: float = 1e-8,
+    min_after: int = 1,
+    diverged_at: float | None = None,
     dim: str = "step",
 ) -> CollapseResult:
     """Did performance collapse irreversibly after ``event_step``?
@@ -256,9 +326,24 @@ def collapse(
     return" is meaningless.
 
     A collapse is declared when, at some step ``t >= event_step``, the level falls
-    below ``frac`` and it does not climb back to ``recover_frac`` or more within
-    ``window`` steps after ``t`` (``window=None``: until the end of the run; data
-    ending before ``t + window`` counts as not recovered).
+    below ``frac`` and does not climb back to ``recover_frac`` or more within
+    ``window`` steps after ``t`` (``window=None``: until the end of the run), *and*
+    that was observed: at least ``min_after`` points after ``t`` within the window,
+    and data reaching ``t + window`` when a window is given. A drop that is not
+    observed that long is ``unobserved`` (no verdict): data ending right after a
+    dip cannot tell a dip from a collapse.
+
+    States (:data:`COLLAPSE_STATES`, :attr:`CollapseResult.outcome`):
+
+    * ``pre_event_invalid`` (NaN): the run was broken before the event: it diverged
+      before it (``diverged_at < event_step``), has a non-finite value (inf) before
+      it, or had already collapsed (its baseline and its last pre-event value both
+      below ``frac`` of its best pre-event gain over the floor, that gain at least
+      ``min_gain``);
+    * ``no_data`` (NaN): no baseline or no finite point at or after the event;
+    * ``diverged`` (1): training diverged at or after the event (``diverged_at``);
+    * ``collapsed`` (1), ``unobserved`` (NaN), ``recovered`` (0: dropped, then back
+      within the window), ``no_drop`` (0: never below ``frac``).
 
     Args:
         x: higher-is-better curve (evaluation return / ``perf``), DataArray with
@@ -274,41 +359,61 @@ def collapse(
             ``min_gain`` (in the curve's units), so a run that learned (almost)
             nothing before the event must still drop by ``(1 - frac) * min_gain`` to
             count as collapsed; pass e.g. 10% of the task's return scale.
+        min_after: points after a drop needed to call it irreversible (at least 1).
+        diverged_at: step at which training stopped as diverged (None: it did not).
     """
+    if min_after < 1:
+        raise ValueError(f"min_after must be at least 1, got {min_after}")
     s, v = as_series(x, steps, dim)
     event_step = _scalar(event_step)
     b = baseline(x, event_step, baseline_points, steps, dim)
+    f = (float(v[0]) if v.size else math.nan) if floor is None else float(floor)
+    rs, rv = _raw_values(x, steps, dim)
+    pre = s < event_step
+    if ((diverged_at is not None and np.isfinite(diverged_at) and diverged_at < event_step)
+            or np.isinf(rv[rs < event_step]).any()):
+        return CollapseResult(False, math.nan, b, f, math.nan, math.nan, "pre_event_invalid")
     if math.isnan(b) or v.size == 0:
-        return CollapseResult(False, math.nan, b, math.nan, math.nan, math.nan)
-    f = float(v[0]) if floor is None else float(floor)
+        return CollapseResult(False, math.nan, b, f, math.nan, math.nan, "no_data")
+    # already collapsed: both the baseline and the last pre-event point lost half the best gain (the
+    # baseline alone would flag a run still climbing, whose baseline averages in its lower past)
+    best, recent = float(np.max(v[pre])), max(b, float(v[pre][-1]))
+    if best - f >= min_gain and recent - f < frac * (best - f):
+        return CollapseResult(False, math.nan, b, f, math.nan, math.nan, "pre_event_invalid")
     gain = max(b - f, min_gain)
     level = (v - b) / gain + 1.0
-    post = s >= event_step
-    ps, pl = s[post], level[post]
+    ps, pl = s[~pre], level[~pre]
+    if diverged_at is not None and np.isfinite(diverged_at):
+        low = float(np.min(pl)) if pl.size else math.nan
+        return CollapseResult(True, float(diverged_at), b, f, low, float(level[-1]), "diverged")
     if ps.size == 0:
-        return CollapseResult(False, math.nan, b, f, math.nan, float(level[-1]))
-    collapsed, drop_step = False, math.nan
+        return CollapseResult(False, math.nan, b, f, math.nan, float(level[-1]), "no_data")
+    state, drop_step = "no_drop", math.nan
     for i in np.flatnonzero(pl < frac):
         if math.isnan(drop_step):
             drop_step = float(ps[i])
         horizon = ps[i] + window if window is not None else math.inf
         later = (ps > ps[i]) & (ps <= horizon)
-        if not np.any(pl[later] >= recover_frac):
-            collapsed, drop_step = True, float(ps[i])
-            break
-    return CollapseResult(collapsed, drop_step, b, f, float(np.min(pl)), float(level[-1]))
+        if np.any(pl[later] >= recover_frac):
+            state = "recovered"
+            continue
+        seen = int(later.sum()) >= min_after and (window is None or ps[-1] >= horizon)
+        state, drop_step = ("collapsed" if seen else "unobserved"), float(ps[i])
+        break
+    return CollapseResult(state == "collapsed", drop_step, b, f, float(np.min(pl)), float(level[-1]), state)
 
 
 def is_collapsed(x: Any, event_step: Any, dim: str = "step", **kw) -> bool | xr.DataArray:
-    """``collapse(...).collapsed``; for a multi-curve DataArray a 0/1 DataArray over the other dims.
+    """``collapse(...).collapsed``; for a multi-curve DataArray a 0/1/NaN DataArray over the other dims.
 
     ``event_step`` may be a DataArray over the other dims (e.g. ``ds.pert_start``);
-    curves whose event step is NaN (no perturbation) get NaN.
+    curves whose event step is NaN (no perturbation) get NaN, and so do curves
+    without a verdict (:attr:`CollapseResult.outcome`).
     """
     if _multi(x, dim):
         def one(c, event_step, **k):
             if event_step is None or not np.isfinite(event_step):
                 return math.nan
-            return float(collapse(c, event_step, **k).collapsed)
+            return collapse(c, event_step, **k).outcome
         return map_runs(one, x, dim, event_step=event_step, **kw)
     return collapse(x, event_step, dim=dim, **kw).collapsed

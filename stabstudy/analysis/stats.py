@@ -289,13 +289,18 @@ def stability_score(
       the task); default: this curve's own range ``max - min`` (then a flat curve
       scores 1 whatever its level);
     * ``R`` is the recovery penalty: ``recovery_time / (last_step - event_step)``
-      clipped to [0, 1], 1 when never recovered (``tol`` as in
-      :func:`stabstudy.analysis.events.recovery_time`); 0 when ``event_step`` is None.
+      clipped to [0, 1], 1 when never recovered, 0 when the curve never left the
+      band (``tol`` as in :func:`stabstudy.analysis.events.recovery_state`); 0 when
+      ``event_step`` is None.
 
     Only losses (drops and their duration) enter the score, never the level, so
     a run with a low but steady return scores as high as a high steady one:
     this is what lets the notebook test whether final return and stability are
     decoupled. 1 = never lost anything; 0 = lost the whole scale and never recovered.
+
+    NaN (no score) with fewer than two finite points, and, given an event, when no
+    finite point lies before it (no baseline) or none at or after it: a run with no
+    data after the event has shown nothing, which must not read as a perfect 1.
     """
     if _multi(x, dim):
         return map_runs(stability_score, x, dim, event_step=event_step, scale=scale, tol=tol,
@@ -311,16 +316,18 @@ def stability_score(
     else:  # drawdown measured from the pre-event baseline on
         b = events.baseline(v, event_step, baseline_points, s)
         post = v[s >= event_step]
-        mdd = events.max_drawdown(np.r_[b, post]) if np.isfinite(b) and post.size else math.nan
-    d = 0.0 if sc <= 0 or not np.isfinite(mdd) else min(1.0, mdd / sc)
+        if not np.isfinite(b) or post.size == 0:
+            return math.nan
+        mdd = events.max_drawdown(np.r_[b, post])
+    d = 0.0 if sc <= 0 else min(1.0, mdd / sc)
     r = 0.0
     if event_step is not None:
-        rt = events.recovery_time(v, event_step, s, tol=tol, abs_tol=tol * sc if sc > 0 else None,
-                                  baseline_points=baseline_points)
+        state, rt = events.recovery_state(v, event_step, s, tol=tol, abs_tol=tol * sc if sc > 0 else None,
+                                          baseline_points=baseline_points)
         horizon = s[-1] - event_step
-        if math.isinf(rt):
+        if state == "not_recovered":
             r = 1.0
-        elif np.isfinite(rt) and horizon > 0:
+        elif state == "recovered" and horizon > 0:
             r = min(1.0, rt / horizon)
     return 1.0 - 0.5 * d - 0.5 * r
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.spec import RunSpec
+
+if TYPE_CHECKING:
+    from stabstudy.analysis.claims import Claim
 
 # -- grid builders and calibration analyses (notebook 00) ---------------------------------
 
@@ -141,31 +144,72 @@ def spike_checks(resp: dict[str, float], *, min_jump: float = 2.0, min_extra_dro
     ]
 
 
-def claims_table(dense: dict[str, Any], gd: Any, adam: Any, spike: list[dict[str, Any]]) -> Any:
-    """The closing "claim | our measurement | supported?" table of notebook 00,
-    from check (a) (:func:`lambda_max_check`), (b) and (c) (:func:`eos_table`) and (d)
-    (:func:`spike_checks`)."""
+def _per_lr(tab: Any) -> np.ndarray:
+    """Median ``ratio`` over seeds at each learning rate of an :func:`eos_table` (NaN: no measurement)."""
+    if tab is None or len(tab) == 0:
+        return np.array([])
+    out = []
+    for _, g in tab.groupby("lr"):
+        r = g["ratio"].to_numpy(float)
+        out.append(float(np.median(r[np.isfinite(r)])) if np.isfinite(r).any() else np.nan)
+    return np.asarray(out)
+
+
+def claims_table(dense: dict[str, Any] | None, gd: Any, adam: Any, spikes: Any, *, gd_tolerance: float = 0.2,
+                 adam_tolerance: float = 0.2, min_jump: float = 2.0, min_extra_drop: float = 0.2,
+                 min_lrs: int = 3, min_adam_lrs: int = 2, alpha: float = 0.05) -> list[Claim]:
+    """Notebook 00's claims as :class:`stabstudy.analysis.claims.Claim` rows.
+
+    Args:
+        dense: :func:`stabstudy.learners.toy.lambda_max_check` (check a; None: not run).
+        gd, adam: :func:`eos_table` of the GD and Adam runs (checks b and c).
+        spikes: one :func:`spike_response` per seed (a DataFrame or list of dicts; check d).
+        gd_tolerance, adam_tolerance: relative tolerance of the median sharpness
+            against 2/lr and (2 + 2 beta1) / ((1 - beta1) lr).
+        min_jump: loss and grad-norm factor over the baseline the spike must exceed.
+        min_extra_drop: relative sharpness drop after the spike beyond the baseline's.
+        min_lrs, min_adam_lrs: learning rates the GD / Adam claims need.
+
+    Rules: (a) one measurement against a closed form: ``within_tolerance`` with
+    ``min_n=1`` (the claim is about this one check); (b, c) ``within_tolerance`` of
+    the median ratio over seeds at each learning rate (n = learning rates); (d)
+    ``paired_difference`` over seeds of log jump against ``log(min_jump)`` and of the
+    spiked run's sharpness drop against the baseline's plus ``min_extra_drop``.
+    """
     import pandas as pd
 
-    def yes(ok: bool) -> str:
-        return "yes" if ok else "no"
+    from stabstudy.analysis import claims as C
 
-    rows = [
-        {"claim": "Lanczos lambda_max matches the dense Hessian's top eigenvalue (within "
-                  f"{dense['tolerance']:.0%})",
-         "our measurement": f"{dense['measured']:.4g} vs {dense['target']:.4g} "
-                            f"(rel. error {dense['rel_error']:.2%}, {dense['iters_used']} HVPs)",
-         "supported?": yes(dense["passed"])},
-        {"claim": "full-batch GD: sharpness rises then hovers at 2/lr (Cohen et al. 2021)",
-         "our measurement": "; ".join(f"lr={r.lr:g}: {r.ratio:.2f} x 2/lr" for r in gd.itertuples()),
-         # the claim is about >= 3 learning rates (rows are lr x seed)
-         "supported?": yes(bool(gd.passed.all())) if gd.lr.nunique() >= 3
-         else f"not tested (only {gd.lr.nunique()} learning rate(s))"},
-        {"claim": "full-batch Adam: preconditioned sharpness settles near 38/lr (Cohen et al. 2022)",
-         "our measurement": "; ".join(f"lr={r.lr:g}: {r.ratio:.2f} x 38/lr" for r in adam.itertuples()),
-         "supported?": yes(bool(len(adam) and adam.passed.all()))},
-        {"claim": "an lr spike at the edge of stability shows as loss and grad-norm jumps, then lower sharpness",
-         "our measurement": "; ".join(f"{c['check']}: {c['measured']:.3g}" for c in spike),
-         "supported?": yes(all(c["passed"] for c in spike))},
-    ]
-    return pd.DataFrame(rows)
+    rows = []
+    if dense is None:
+        rows.append(C.not_tested("Lanczos lambda_max matches the dense Hessian's top eigenvalue", "our own",
+                                 "check (a) not run"))
+    else:
+        rows.append(C.within_tolerance(
+            f"Lanczos lambda_max matches the dense Hessian's top eigenvalue ({dense.get('iters_used', '?')} HVPs)",
+            "textbook: Pearlmutter 1994 (exact Hessian-vector products)", [dense["measured"]], dense["target"],
+            rel_tol=float(dense["tolerance"]), min_n=1))
+    rows.append(C.within_tolerance(
+        f"full-batch GD: sharpness hovers at 2/lr, for at least {min_lrs} learning rates",
+        "source paper: Cohen et al. 2021", _per_lr(gd), 1.0, rel_tol=gd_tolerance, min_n=min_lrs))
+    rows.append(C.within_tolerance(
+        "full-batch Adam: preconditioned sharpness settles near (2 + 2 beta1) / ((1 - beta1) lr)",
+        "source paper: Cohen et al. 2022", _per_lr(adam), 1.0, rel_tol=adam_tolerance, min_n=min_adam_lrs))
+    sp = pd.DataFrame(list(spikes) if not isinstance(spikes, pd.DataFrame) else spikes)
+
+    def col(name: str) -> np.ndarray:
+        return sp[name].to_numpy(float) if name in sp else np.array([])
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, what in (("loss_jump", "loss"), ("grad_norm_jump", "gradient norm")):
+            jump = np.log(col(name))
+            rows.append(C.paired_difference(
+                f"an lr spike at the edge of stability makes the {what} jump at least {min_jump:g}-fold over "
+                "the baseline run (log ratio)", "source paper: Lewkowycz et al. 2020", jump,
+                np.full(jump.shape, np.log(min_jump)), direction="greater", alpha=alpha))
+    drop, base = col("sharpness_drop"), col("baseline_sharpness_drop")
+    rows.append(C.paired_difference(
+        f"after the spike the sharpness falls at least {min_extra_drop:g} (relative) more than in the baseline "
+        "run (catapult)", "source paper: Lewkowycz et al. 2020", drop, base + min_extra_drop,
+        direction="greater", alpha=alpha))
+    return rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -13,6 +13,9 @@ import xarray as xr
 from stabstudy.hparams import GPTHParams, defaults
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.spec import RunSpec
+
+if TYPE_CHECKING:
+    from stabstudy.analysis.claims import Claim
 
 
 def base_spec(steps: int, seed: int = 0, task: str = "stdlib", log_every: int = 1, eval_every: int = 0,
@@ -164,7 +167,8 @@ def spike_effects(ds: xr.Dataset, specs: list[RunSpec], smooth: int = 5, abs_tol
     * ``drawdown``: :func:`stabstudy.analysis.events.max_drawdown` of the smoothed perturbed loss
       from the event on (the largest rise of the loss, nats);
     * ``recovery_steps``: :func:`stabstudy.analysis.events.recovery_time` of ``d`` with an absolute band
-      ``abs_tol`` nats (0: never left the band; inf: never came back within the run);
+      ``abs_tol`` nats (NaN: never left the band, nothing to recover from; inf: never came back
+      within the run);
     * ``final_damage``: final ``val_loss`` minus the twin's (unrecovered damage, nats);
     * ``grad_norm_ratio``, ``update_ratio_ratio``, ``adam_v_ratio``: peak over the window
       divided by the twin's value at the same steps (max of the ratio);
@@ -352,116 +356,133 @@ def sharpness_table(ds: xr.Dataset, specs: list[RunSpec]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _fmt(x: float, nd: int = 3) -> str:
-    if x is None or np.isnan(x):
-        return "nan"
-    return f"{x:.{nd}g}" if np.isfinite(x) else ("inf" if x > 0 else "-inf")
+def seed_sensitivity(sweep: pd.DataFrame) -> pd.DataFrame:
+    """:func:`lr_sensitivity` per (variant, seed) of :func:`lr_sweep_table` rows: columns
+    ``variant, seed, lr_sensitivity, n_lr, n_finite``.
+
+    NaN when no learning rate of that variant and seed reached a finite final loss: a
+    sweep in which everything diverged has no data, which :func:`lr_sensitivity` (every
+    lr at ``loss0``) would score 0, the best possible value.
+    """
+    rows = []
+    if len(sweep):
+        for (variant, seed), g in sweep.groupby(["variant", "seed"], sort=False):
+            g = g.sort_values("lr")
+            fl = g.final_loss.to_numpy(float)
+            n_finite = int(np.isfinite(fl).sum())
+            sens = lr_sensitivity(fl, float(g.loss0.mean())) if n_finite else np.nan
+            rows.append({"variant": variant, "seed": seed, "lr_sensitivity": sens, "n_lr": len(g),
+                         "n_finite": n_finite})
+    return pd.DataFrame(rows, columns=["variant", "seed", "lr_sensitivity", "n_lr", "n_finite"])
 
 
-def claims(effects: pd.DataFrame, memory: pd.DataFrame, sensitivity: pd.DataFrame, sweep: pd.DataFrame,
-           sharpness: pd.DataFrame | None = None, alpha: float = 0.05) -> pd.DataFrame:
-    """The closing table of notebook 02: ``claim | our measurement | supported?``, computed from the tables.
+def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], col: str) -> tuple[np.ndarray, np.ndarray]:
+    """``col`` of ``a`` and ``b`` aligned on ``key`` (outer join: a missing partner is NaN)."""
+    if len(a) == 0 or len(b) == 0:
+        return np.array([]), np.array([])
+    m = a.groupby(key)[col].mean().to_frame("a").join(b.groupby(key)[col].mean().to_frame("b"), how="outer")
+    return m["a"].to_numpy(float), m["b"].to_numpy(float)
+
+
+def _run_medians(sharp: pd.DataFrame, in_event: int) -> np.ndarray:
+    """Per run, the median ``precond_ratio`` over its measurements with ``in_event``."""
+    m = sharp[(sharp.in_event == in_event) & np.isfinite(sharp.precond_ratio.to_numpy(float))]
+    return m.groupby("spec_hash").precond_ratio.median().to_numpy(float) if len(m) else np.array([])
+
+
+def claims(effects: pd.DataFrame, memory: pd.DataFrame, sweep: pd.DataFrame, sharpness: pd.DataFrame | None = None,
+           *, band: float = 0.05, min_ratio: float = 2.0, memory_tolerance: float = 0.5,
+           alpha: float = 0.05) -> list[Claim]:
+    """Notebook 02's claims as :class:`stabstudy.analysis.claims.Claim` rows.
 
     Args:
-        effects: :func:`spike_effects` (all spike-grid runs, any noise level).
+        effects: :func:`spike_effects` (all spike-grid runs, any noise level); its
+            ``peak_excess_loss`` and ``final_damage`` are already differences to the twin.
         memory: :func:`adam_memory`.
-        sensitivity: :func:`lr_sensitivity_table`.
         sweep: :func:`lr_sweep_table`.
-        sharpness: :func:`sharpness_table` (optional; rows skipped when empty).
-        alpha: significance level of the sign / rank tests.
+        sharpness: :func:`sharpness_table` (None or empty: those rows are not tested).
+        band: the recovery band in nats (:func:`spike_effects`' ``abs_tol``): a spike
+            must exceed it, a recovered run ends within it (equivalence margin).
+        min_ratio: factor by which an outlier batch must inflate the gradient norm and
+            Adam's second moment over the twin.
+        memory_tolerance: relative tolerance of the e-folding time against 1 / (1 - beta2).
 
-    "supported?" is ``yes``, ``no`` or ``not tested`` (too little data: fewer than 3 runs); tests
-    are one-sided one-sample t-tests (:func:`scipy.stats.ttest_1samp`, damage > 0) and Spearman
-    rank correlations, at level ``alpha``.
+    Rules: ``paired_difference`` (perturbed run minus its twin, same seed and batches;
+    log ratios against ``log(min_ratio)``), ``equivalence`` (final validation loss
+    within ``band`` of the twin), ``within_tolerance`` (e-folding times of the runs
+    that observed at least 1 / (1 - beta2) steps), ``correlation`` (Spearman over
+    runs), and, for the variants of the LR sweep, ``paired_difference`` by seed of
+    :func:`seed_sensitivity` and by (lr, seed) of the maximum attention logit.
     """
-    from scipy import stats as sps
+    from stabstudy.analysis import claims as C
 
-    rows: list[tuple[str, str, str]] = []
+    empty = np.array([])
+    rows = []
 
-    def add(claim: str, measured: str, ok: bool | None) -> None:
-        rows.append((claim, measured, "not tested" if ok is None else ("yes" if ok else "no")))
+    def col(df: pd.DataFrame, name: str) -> np.ndarray:
+        return df[name].to_numpy(float) if len(df) and name in df else empty
 
     clean = effects[effects.noise == 0] if len(effects) else effects
     for kind, label in (("lr_spike", "an LR spike"), ("outlier_batch", "an outlier batch")):
         e = clean[clean.event == kind] if len(clean) else clean
-        if len(e) == 0:
-            add(f"{label} causes a transient loss spike that recovers", "no runs", None)
-            continue
-        rec = np.isfinite(e.recovery_steps.to_numpy(float))
-        add(f"{label} causes a transient loss spike that recovers",
-            f"peak excess loss median {_fmt(e.peak_excess_loss.median())} nats; recovered in {rec.sum()}/{len(e)} runs, "
-            f"median {_fmt(np.median(e.recovery_steps[rec]) if rec.any() else np.nan)} steps",
-            bool(e.peak_excess_loss.median() > 0 and rec.mean() >= 0.5))
-        dmg = e.final_damage.dropna()
-        p = sps.ttest_1samp(dmg, 0.0, alternative="greater").pvalue if len(dmg) >= 2 else np.nan
-        add(f"{label} leaves unrecovered damage (final val loss above its twin)",
-            f"median {_fmt(dmg.median())} nats, {int((dmg > 0).sum())}/{len(dmg)} positive, one-sided t-test p={_fmt(p, 2)}",
-            None if len(dmg) < 3 else bool(p < alpha))
+        peak, dmg = col(e, "peak_excess_loss"), col(e, "final_damage")
+        rows.append(C.paired_difference(f"{label} causes a loss spike (peak excess loss over the twin above the "
+                                        f"{band:g}-nat band)", "our own", peak, np.full(peak.shape, band),
+                                        direction="greater", alpha=alpha))
+        rows.append(C.equivalence(f"the spike after {label} is transient (final validation loss within "
+                                  f"{band:g} nats of the twin)", "our own", dmg, np.zeros(dmg.shape),
+                                  margin=band, relative=False, paired=True, alpha=alpha))
+        rows.append(C.paired_difference(f"{label} leaves unrecovered damage (final validation loss above the twin)",
+                                        "our own", dmg, np.zeros(dmg.shape), direction="greater", alpha=alpha))
     e = clean[clean.event == "outlier_batch"] if len(clean) else clean
-    if len(e):
-        add("an outlier batch inflates the gradient norm and Adam's second moment",
-            f"grad-norm ratio median {_fmt(e.grad_norm_ratio.median())}, adam_v ratio median {_fmt(e.adam_v_ratio.median())}",
-            bool(e.grad_norm_ratio.median() > 2 and e.adam_v_ratio.median() > 2))
-    if len(memory):
-        g = memory.groupby("beta2").agg(tau_theory=("tau_theory", "first"), t_efold=("t_efold", "median"),
-                                        tau_fit=("tau_fit", "median"), seen=("steps_observed", "min"))
-        observable = g[g.seen >= g.tau_theory]
-        ratio = observable.t_efold / observable.tau_theory
-        desc = "; ".join(f"b2={b:g}: e-fold {_fmt(r.t_efold)} / fit {_fmt(r.tau_fit)} vs 1/(1-b2)={_fmt(r.tau_theory)}"
-                         for b, r in g.iterrows())
-        add("inflated Adam second moments persist ~1/(1-beta2) steps", desc,
-            None if len(observable) == 0 else bool(((ratio > 0.5) & (ratio < 2)).all()))
-        if len(g) >= 2:
-            rho = sps.spearmanr(g.tau_theory, g.tau_fit).statistic
-            add("their persistence grows with beta2", f"Spearman(1/(1-b2), fitted decay time) = {_fmt(rho, 2)}",
-                bool(rho > 0))
-    if len(sensitivity) and "baseline" in sensitivity.index:
-        base = sensitivity.loc["baseline", "lr_sensitivity"]
-        for v, label in (("qk_layernorm", "qk-layernorm"), ("z_loss", "z-loss")):
-            if v in sensitivity.index:
-                s = sensitivity.loc[v, "lr_sensitivity"]
-                add(f"{label} lowers LR sensitivity (Wortsman et al. 2023)",
-                    f"LR sensitivity {_fmt(s)} vs baseline {_fmt(base)} over lr "
-                    f"{_fmt(sensitivity.loc[v, 'lr_min'])}-{_fmt(sensitivity.loc[v, 'lr_max'])}", bool(s < base))
-    if len(sweep):
-        b = sweep[sweep.variant == "baseline"].sort_values("lr")
-        q = sweep[sweep.variant == "qk_layernorm"].sort_values("lr")
-        if len(b) >= 3:
-            r = sps.spearmanr(b.lr, b.attn_logit_max)
-            top_b = b[b.lr == b.lr.max()].attn_logit_max.max()
-            top_q = q[q.lr == q.lr.max()].attn_logit_max.max() if len(q) else np.nan
-            add("attention logits grow with the learning rate without qk-layernorm",
-                f"Spearman(lr, max attn logit) = {_fmt(r.statistic, 2)} (p={_fmt(r.pvalue, 2)}); at lr={_fmt(b.lr.max())}: "
-                f"{_fmt(top_b)} vs {_fmt(top_q)} with qk-layernorm",
-                bool(r.statistic > 0 and r.pvalue < alpha and (not np.isfinite(top_q) or top_b > top_q)))
-            r2 = sps.spearmanr(b.attn_logit_max, b.final_loss.fillna(b.loss0))
-            add("attention-logit growth accompanies the high-LR failures (worse final loss)",
-                f"Spearman(max attn logit, final loss) = {_fmt(r2.statistic, 2)} (p={_fmt(r2.pvalue, 2)})",
-                bool(r2.statistic > 0 and r2.pvalue < alpha))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, what in (("grad_norm_ratio", "the gradient norm"), ("adam_v_ratio", "Adam's second moment")):
+            r = np.log(col(e, name))
+            rows.append(C.paired_difference(f"an outlier batch inflates {what} at least {min_ratio:g}-fold over the "
+                                            "twin (log ratio)", "our own", r, np.full(r.shape, np.log(min_ratio)),
+                                            direction="greater", alpha=alpha))
+    adam_src = "textbook: Kingma & Ba 2015 (v is an EMA with weight beta2^k)"
+    # only runs that saw the whole tolerance band can fail it; one that never e-folded there lies beyond it
+    seen = (memory[memory.steps_observed >= (1 + memory_tolerance) * memory.tau_theory] if len(memory)
+            else memory)
+    t_e = np.where(np.isposinf(col(seen, "t_efold")), col(seen, "steps_observed") + 1, col(seen, "t_efold"))
+    rows.append(C.within_tolerance("inflated Adam second moments persist about 1/(1-beta2) steps (e-folding time)",
+                                   adam_src, t_e, col(seen, "tau_theory"), rel_tol=memory_tolerance, min_n=3))
+    # an excess that never decays has the longest decay time: keep it as the top rank
+    tau_fit = np.where(np.isposinf(col(memory, "tau_fit")), np.finfo(float).max, col(memory, "tau_fit"))
+    rows.append(C.correlation("their persistence grows with beta2 (fitted decay time vs 1/(1-beta2))", adam_src,
+                              col(memory, "tau_theory"), tau_fit, expect="positive", alpha=alpha))
+    wortsman = "source paper: Wortsman et al. 2023"
+    sens = seed_sensitivity(sweep)
+    base_s = sens[sens.variant == "baseline"]
+    for v, label in (("qk_layernorm", "qk-layernorm"), ("z_loss", "z-loss")):
+        x, y = _pair(sens[sens.variant == v], base_s, ["seed"], "lr_sensitivity")
+        rows.append(C.paired_difference(f"{label} lowers LR sensitivity (paired by seed)", wortsman, x, y,
+                                        direction="less", alpha=alpha))
+    b = sweep[sweep.variant == "baseline"] if len(sweep) else sweep
+    q = sweep[sweep.variant == "qk_layernorm"] if len(sweep) else sweep
+    rows.append(C.correlation("attention logits grow with the learning rate without qk-layernorm", wortsman,
+                              col(b, "lr"), col(b, "attn_logit_max"), expect="positive", alpha=alpha))
+    x, y = _pair(q, b, ["lr", "seed"], "attn_logit_max")
+    rows.append(C.paired_difference("qk-layernorm keeps the maximum attention logit below the baseline's (paired by "
+                                    "lr and seed)", wortsman, x, y, direction="less", alpha=alpha))
+    # a diverged run is a failure: its final loss is the loss at initialization
+    fail = b.final_loss.fillna(b.loss0).to_numpy(float) if len(b) else empty
+    rows.append(C.correlation("attention-logit growth accompanies the high-LR failures (worse final loss)", wortsman,
+                              col(b, "attn_logit_max"), fail, expect="positive", alpha=alpha))
     noisy = effects[effects.event == "lr_spike"] if len(effects) else effects
-    if len(noisy) and noisy.noise.nunique() >= 2:
-        for col, what in (("peak_excess_loss", "peak excess loss"), ("final_damage", "final damage")):
-            r = sps.spearmanr(noisy.noise, noisy[col], nan_policy="omit")
-            per = noisy.groupby("noise")[col].median()
-            add(f"controlled stochasticity (gradient noise) buffers an LR spike: lower {what}",
-                "median by noise " + ", ".join(f"{k:g}: {_fmt(v)}" for k, v in per.items())
-                + f"; Spearman = {_fmt(r.statistic, 2)} (p={_fmt(r.pvalue, 2)})",
-                bool(r.statistic < 0 and r.pvalue < alpha))
-    if sharpness is not None and len(sharpness):
-        # Adam's stability threshold concerns P^-1 H (Cohen et al. 2022), not lambda_max vs 2/lr
-        measured = sharpness[np.isfinite(sharpness.precond_ratio.to_numpy(float))]
-        out_ev, ev = measured[measured.in_event == 0], measured[measured.in_event == 1]
-        raw = sharpness[sharpness.in_event == 0].ratio
-        add("outside spikes Adam's preconditioned sharpness stays below its threshold (2+2 beta1)/((1-beta1) lr) "
-            "(Cohen et al. 2022; full-batch Adam hovers at it)",
-            f"lambda_max(P^-1 H) / threshold: median {_fmt(out_ev.precond_ratio.median())}, max "
-            f"{_fmt(out_ev.precond_ratio.max())}, above 1 in {int((out_ev.precond_ratio > 1).sum())}/{len(out_ev)} "
-            f"measurements (raw lambda_max / (2/lr): median {_fmt(raw.median())})",
-            None if len(out_ev) < 3 else bool(out_ev.precond_ratio.median() < 1))
-        if (sharpness.in_event == 1).any():
-            add("during an LR spike the step exceeds Adam's curvature threshold at the spiked lr "
-                "(lambda_max(P^-1 H) > (2+2 beta1)/((1-beta1) lr))",
-                f"lambda_max(P^-1 H) / threshold during events: median {_fmt(ev.precond_ratio.median())} "
-                f"({len(ev)} measurements)",
-                None if len(ev) == 0 else bool(ev.precond_ratio.median() > 1))
-    return pd.DataFrame(rows, columns=["claim", "our measurement", "supported?"])
+    for name, what in (("peak_excess_loss", "peak excess loss"), ("final_damage", "final damage")):
+        rows.append(C.correlation(f"controlled stochasticity (gradient noise) buffers an LR spike: lower {what}",
+                                  "our own", col(noisy, "noise"), col(noisy, name), expect="negative", alpha=alpha))
+    sharp = sharpness if sharpness is not None and len(sharpness) else pd.DataFrame(
+        columns=["spec_hash", "in_event", "precond_ratio"])
+    cohen = "source paper: Cohen et al. 2022"
+    out_ev = np.log(_run_medians(sharp, 0))
+    rows.append(C.paired_difference("outside spikes Adam's preconditioned sharpness stays below its threshold "
+                                    "(2+2 beta1)/((1-beta1) lr) (per-run median, log ratio)", cohen, out_ev,
+                                    np.zeros(out_ev.shape), direction="less", alpha=alpha))
+    in_ev = np.log(_run_medians(sharp, 1))
+    rows.append(C.paired_difference("during an LR spike the preconditioned sharpness exceeds Adam's threshold at the "
+                                    "spiked lr (per-run median, log ratio)", cohen, in_ev, np.zeros(in_ev.shape),
+                                    direction="greater", alpha=alpha))
+    return rows

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stabstudy.instruments.precision import fp16_headroom, logit_fp16_headroom
+
+if TYPE_CHECKING:
+    from stabstudy.analysis.claims import Claim
 
 # -- grid builders and analyses for notebooks/03_precision_experiments.ipynb ----------------
 # Imported lazily inside the functions where heavy (xarray/pandas/scipy) so that the learner's
@@ -329,99 +332,137 @@ def overflow_prediction(logit_tab) -> Any:
     return pred
 
 
-def claims_table(sum_a, sum_b, overflow, rho, pred, logit_tab, gap=None, gap_scaler=None, gap_mixed=None) -> Any:
-    """Notebook 03's closing table: claim, our measurement, supported? (yes / no / n/a).
+def _by_seed(summary, a: str, b: str, column: str = "final_loss"):
+    """``column`` of precisions ``a`` and ``b`` aligned by seed (a seed missing in one is NaN there)."""
+    import numpy as np
+
+    if len(summary) == 0:
+        return np.array([]), np.array([])
+    x = summary[summary.precision == a].groupby("seed")[column].mean()
+    y = summary[summary.precision == b].groupby("seed")[column].mean()
+    m = x.to_frame("a").join(y.to_frame("b"), how="outer")
+    return m["a"].to_numpy(float), m["b"].to_numpy(float)
+
+
+def excess_final_loss(sum_b) -> Any:
+    """Per perturbed run of the overflow experiment: ``final_loss`` minus the same precision's
+    and seed's dose-1 twin (NaN when either did not finish), with ``precision, seed, pert_dose``."""
+    import numpy as np
+
+    if len(sum_b) == 0:
+        return sum_b.assign(excess=np.array([], dtype=float))
+    base = sum_b[sum_b.pert_dose == 1.0].set_index(["precision", "seed"])["final_loss"]
+    pert = sum_b[sum_b.pert_dose != 1.0]
+    return pert.assign(excess=[row.final_loss - base.get((row.precision, row.seed), np.nan)
+                               for row in pert.itertuples()])
+
+
+def _k_n(values, hit) -> tuple[int, int]:
+    """``(k, n)``: ``n`` non-missing values, ``k`` of them where ``hit(values)`` holds (missing is no outcome)."""
+    v = values.dropna()
+    return (int(hit(v).astype(bool).sum()), int(v.size)) if v.size else (0, 0)
+
+
+def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.02, alpha: float = 0.05) -> list[Claim]:
+    """Notebook 03's claims as :class:`stabstudy.analysis.claims.Claim` rows.
 
     Args:
         sum_a: :func:`run_summary` of the precision comparison (A).
-        sum_b: :func:`run_summary` of the overflow experiment (B); ``overflow``
-            its :func:`overflow_table`.
-        rho: :func:`lost_update_vs_lr` rows with a finite ``rho``.
-        pred: :func:`overflow_prediction`; ``logit_tab``: :func:`logit_table` (C).
-        gap, gap_scaler, gap_mixed: :func:`loss_gap_vs_reference` against float32,
-            fp16 + scaler and bf16 autocast (None when that reference was not run).
+        sum_b: :func:`run_summary` of the overflow experiment (B).
+        rho: :func:`lost_update_vs_lr` rows (per run; NaN rho is dropped).
+        logit_tab: :func:`logit_table` of the logit experiment (C).
+        equivalence_margin: relative final-loss margin of "reaches float32" (TOST).
 
-    "n/a" means the data needed for a verdict is missing (e.g. one seed: no interval).
+    Rules: paired by seed (``equivalence``, ``paired_difference``) in (A); in (B) the
+    runs at the same perturbed dose and seed are compared across precisions with
+    ``rate_comparison``. The GradScaler rows compare fp16 autocast *with* GradScaler
+    against fp16 autocast *without* a scaler (the alternative in the grid) at the
+    (dose, seed) cells where the scaler-free run overflowed.
     """
     import numpy as np
     import pandas as pd
 
-    def row(claim, measured, ok):
-        return {"claim": claim, "our measurement": measured,
-                "supported?": "n/a" if ok is None else ("yes" if ok else "no")}
+    from stabstudy.analysis import claims as C
 
-    def ci_text(g, name):
-        if g is None or name not in g.index:
-            return "not run", None
-        r = g.loc[name]
-        txt = f"{r.mean_diff:+.4f} nats [{r.ci_low:+.4f}, {r.ci_high:+.4f}], n={int(r.n)}, diverged={int(r.diverged)}"
-        return txt, (None if not np.isfinite(r.ci_low) else r)
+    mp = "source paper: Micikevicius et al. 2018"
+    ieee = "textbook: IEEE 754 half (max 65504) and bfloat16 (float32's exponent range)"
+    rows = []
+    x, y = _by_seed(sum_a, "bf16_autocast", "float32")
+    rows.append(C.equivalence(f"bf16 autocast reaches float32's final loss (within {equivalence_margin:g} relative, "
+                              "paired by seed)", mp, x, y, margin=equivalence_margin, relative=True, paired=True,
+                              alpha=alpha))
+    x, y = _by_seed(sum_a, "fp16_autocast", "fp16_autocast_scaler")
+    rows.append(C.paired_difference("fp16 autocast without loss scaling ends worse than with GradScaler (underflow; "
+                                    "paired by seed)", mp, x, y, direction="greater", alpha=alpha))
+    b = sum_b[sum_b.pert_dose != 1.0] if len(sum_b) else sum_b
+    cell = ["pert_dose", "seed"]
+    no_sc = b[b.precision == "fp16_autocast"].set_index(cell) if len(b) else pd.DataFrame()
+    sc = b[b.precision == "fp16_autocast_scaler"].set_index(cell) if len(b) else pd.DataFrame()
+    over = no_sc.index[no_sc.nonfinite_steps > 0].intersection(sc.index) if len(no_sc) and len(sc) else pd.Index([])
 
-    claims = []
-    txt, r = ci_text(gap, "bf16_autocast")
-    claims.append(row("bf16 autocast reaches float32's final loss (paired CI contains 0)", txt,
-                      None if r is None else bool(r.ci_low <= 0 <= r.ci_high)))
-    txt, r = ci_text(gap_scaler, "fp16_autocast")
-    claims.append(row("fp16 autocast without loss scaling ends worse than with it (underflow)",
-                      "fp16 - fp16+scaler: " + txt, None if r is None else bool(r.ci_low > 0)))
-    s = sum_a[sum_a.precision == "fp16_autocast_scaler"]
-    if len(s):
-        ok = bool((s.skipped_steps == s.nonfinite_steps).all() and (s.scale_backoffs == s.skipped_steps).all())
-        claims.append(row("GradScaler skips every step with inf/NaN gradients and halves the scale",
-                          f"skipped {int(s.skipped_steps.sum())} steps, {int(s.nonfinite_steps.sum())} with inf/NaN "
-                          f"grads, {int(s.scale_backoffs.sum())} halvings, {int(s.scale_growths.sum())} doublings; "
-                          f"scale range [{s.loss_scale_min.min():g}, {s.loss_scale_max.max():g}]", ok))
-    o = sum_b[(sum_b.precision == "fp16_autocast") & (sum_b.nonfinite_steps > 0)]
-    claims.append(row("an fp16 overflow reaching Adam (no scaler) corrupts its state; the run does not recover",
-                      f"{len(o)} runs overflowed; Adam state non-finite in {int((o.adam_state_nonfinite_max > 0).sum())}, "
-                      f"diverged {int((o.status != 'ok').sum())}" + (f" (doses {sorted(set(o.pert_dose))})" if len(o) else ""),
-                      None if len(o) == 0 else bool((o.adam_state_nonfinite_max > 0).all() and (o.status != "ok").all())))
-    doses_over = sorted(set(o.pert_dose))
-    sb = sum_b[(sum_b.precision == "fp16_autocast_scaler") & sum_b.pert_dose.isin(doses_over)]
-    have = [("fp16_autocast_scaler", d) for d in doses_over if ("fp16_autocast_scaler", d) in overflow.index]
-    exc = overflow.loc[have, "excess_final_loss"] if len(sb) else []
-    claims.append(row("with GradScaler the same overflow is skipped and training continues",
-                      f"{len(sb)} runs: skipped {int(sb.skipped_steps.sum())} steps, ok {int((sb.status == 'ok').sum())}, "
-                      f"max Adam non-finite {sb.adam_state_nonfinite_max.max() if len(sb) else float('nan'):g}, "
-                      f"excess final loss vs dose-1 twin {np.round(np.asarray(exc, float), 4).tolist()}",
-                      None if len(sb) == 0 else bool((sb.status == "ok").all() and (sb.skipped_steps > 0).all()
-                                                      and (sb.adam_state_nonfinite_max == 0).all())))
-    bb = sum_b[sum_b.precision == "bf16_autocast"]
-    claims.append(row("bfloat16 keeps float32's range: the same doses do not overflow",
-                      f"max dose {bb.pert_dose.max():g}: non-finite gradient steps {int(bb.nonfinite_steps.sum())}, "
-                      f"diverged {int((bb.status != 'ok').sum())}", None if len(bb) == 0 else bool(bb.nonfinite_steps.sum() == 0)))
-    pb = sum_a[sum_a.precision == "bf16_pure"]
-    rb = rho[rho.precision == "bf16_pure"]
-    claims.append(row("pure bf16 storage erases a sizeable fraction of updates, more when the lr is small (rho(lr, lost) < 0)",
-                      f"mean lost fraction {pb.lost_update_mean.mean():.3f}; median Spearman rho {rb.rho.median():+.3f} "
-                      f"over {len(rb)} runs (max p {rb.p.max():.2g})" if len(pb) else "not run",
-                      None if len(rb) == 0 else bool(rb.rho.median() < 0 and (rb.p < 0.05).all())))
-    txt, r = ci_text(gap_mixed, "bf16_pure")
-    claims.append(row("pure bf16 ends worse than bf16 autocast with float32 master weights",
-                      "bf16_pure - bf16_autocast: " + txt, None if r is None else bool(r.ci_low > 0)))
-    pf = sum_a[sum_a.precision == "fp16_pure"]
-    claims.append(row("pure fp16 Adam (eps=1e-8 rounds to 0 in float16) diverges at once",
-                      f"status {pf.status.tolist()}, steps done {pf.steps_done.tolist()}" if len(pf) else "not run",
-                      None if len(pf) == 0 else bool((pf.status != "ok").all())))
-    agree = pred.predicted_overflow == pred.fp16_diverged
-    claims.append(row("the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow",
-                      f"{int(agree.sum())}/{len(pred)} configurations agree; fp16 diverged in {int(pred.fp16_diverged.sum())}; "
-                      f"naive headroom (no sqrt(d)) >= 1 in {int((pred.headroom_naive0_fp32 >= 1).sum())}",
-                      None if len(pred) == 0 else bool(agree.all())))
-    f32 = logit_tab[logit_tab.precision == "float32"].pivot_table(index="init_scale", columns="block_size",
-                                                                  values="headroom0")
-    if f32.shape[1] >= 2:
-        ratio = f32[f32.columns.max()] / f32[f32.columns.min()]
-        claims.append(row(f"a longer context ({f32.columns.max()} vs {f32.columns.min()}) moves the logits closer to "
-                          "the fp16 limit", f"step-0 headroom ratio per init scale: {np.round(ratio.values, 3).tolist()}",
-                          bool((ratio > 1).all())))
+    def at(df, column: str):
+        return df.loc[over, column] if len(over) else pd.Series(dtype=float)
+
+    rows.append(C.rate_comparison("an fp16 overflow corrupts Adam's state without a scaler but not with GradScaler "
+                                  "(fp16 autocast without vs with a scaler, same dose and seed)", mp,
+                                  *_k_n(at(no_sc, "adam_state_nonfinite_max"), lambda v: v > 0),
+                                  *_k_n(at(sc, "adam_state_nonfinite_max"), lambda v: v > 0),
+                                  direction="greater", alpha=alpha))
+    rows.append(C.not_tested("after an fp16 overflow reaches Adam (no scaler) the run does not recover", mp,
+                             "the learner stops at the first non-finite step; recovery cannot be observed",
+                             n=len(over)))
+    rows.append(C.rate_comparison("with GradScaler the same overflow is skipped and training finishes more often "
+                                  "than without a scaler (fp16 autocast, same dose and seed)", mp,
+                                  *_k_n(at(sc, "status"), lambda v: v == "ok"),
+                                  *_k_n(at(no_sc, "status"), lambda v: v == "ok"), direction="greater", alpha=alpha))
+    bf = b[b.precision == "bf16_autocast"] if len(b) else pd.DataFrame({"nonfinite_steps": []})
+    fp = b[b.precision == "fp16_autocast"] if len(b) else pd.DataFrame({"nonfinite_steps": []})
+    rows.append(C.rate_comparison("bfloat16 keeps float32's range: the doses that overflow fp16 autocast overflow "
+                                  "bf16 autocast less often", ieee, *_k_n(fp.nonfinite_steps, lambda v: v > 0),
+                                  *_k_n(bf.nonfinite_steps, lambda v: v > 0), direction="greater", alpha=alpha))
+    ex = excess_final_loss(sum_b) if len(sum_b) else pd.DataFrame(columns=["precision", "pert_dose", "seed", "excess"])
+    skipped = (b[(b.precision == "fp16_autocast_scaler") & (b.skipped_steps > 0)].set_index(cell).index
+               if len(b) else [])
+    e32 = ex[ex.precision == "float32"].set_index(cell)["excess"] if len(ex) else pd.Series(dtype=float)
+    esc = ex[ex.precision == "fp16_autocast_scaler"].set_index(cell)["excess"] if len(ex) else pd.Series(dtype=float)
+    rows.append(C.paired_difference("skipping the overflowing step (GradScaler) spares the loss damage the same step "
+                                    "does in float32 (excess final loss over the dose-1 twin)", mp,
+                                    e32.reindex(skipped).to_numpy(float), esc.reindex(skipped).to_numpy(float),
+                                    direction="greater", alpha=alpha))
+    rb = rho[(rho.precision == "bf16_pure") & np.isfinite(rho.rho.to_numpy(float))] if len(rho) else rho
+    r = rb.rho.to_numpy(float) if len(rb) else np.array([])
+    rows.append(C.paired_difference("pure bf16 storage erases more updates when the lr is small (per-run Spearman "
+                                    "rho(lr, lost-update fraction) below 0)", "our own", r, np.zeros(r.shape),
+                                    direction="less", alpha=alpha))
+    x, y = _by_seed(sum_a, "bf16_pure", "bf16_autocast")
+    rows.append(C.paired_difference("pure bf16 ends worse than bf16 autocast with float32 master weights (paired by "
+                                    "seed)", mp, x, y, direction="greater", alpha=alpha))
+    status = sum_a.set_index("precision").status if len(sum_a) else pd.Series(dtype=object)
+    rows.append(C.rate_comparison("pure fp16 Adam (eps=1e-8 rounds to 0 in float16) diverges where float32 does not",
+                                  ieee, *_k_n(status[status.index == "fp16_pure"], lambda v: v != "ok"),
+                                  *_k_n(status[status.index == "float32"], lambda v: v != "ok"),
+                                  direction="greater", alpha=alpha))
+    pred = overflow_prediction(logit_tab) if len(logit_tab) else pd.DataFrame(
+        columns=["predicted_overflow", "fp16_diverged"])
+    # a NaN headroom predicts nothing: such configurations are in neither group
+    known = pred[pred.headroom_peak_fp32.notna()] if "headroom_peak_fp32" in pred else pred.iloc[:0]
+    hit, miss = known[known.predicted_overflow.astype(bool)], known[~known.predicted_overflow.astype(bool)]
+    diverged = lambda v: v.astype(bool)  # noqa: E731
+    rows.append(C.rate_comparison("the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow "
+                                  "(divergence rate, predicted vs not)", ieee, *_k_n(hit.fp16_diverged, diverged),
+                                  *_k_n(miss.fp16_diverged, diverged), direction="greater", alpha=alpha))
+    f32c = logit_tab[logit_tab.precision == "float32"] if len(logit_tab) else logit_tab
+    sizes = sorted(set(f32c.block_size)) if len(f32c) else []
+    if len(sizes) < 2:
+        rows.append(C.not_tested("a longer context moves the logits closer to the fp16 limit", "our own",
+                                 f"{len(sizes)} block size(s) in the grid; the claim needs two"))
     else:
-        claims.append(row("a longer context moves the logits closer to the fp16 limit", "one block size only", None))
-    skip_doses = sorted(set(sum_b[(sum_b.precision == "fp16_autocast_scaler") & (sum_b.skipped_steps > 0)
-                                  & (sum_b.pert_dose != 1.0)].pert_dose))
-    pairs = [(d, overflow.loc[("fp16_autocast_scaler", d), "excess_final_loss"],
-              overflow.loc[("float32", d), "excess_final_loss"]) for d in skip_doses if ("float32", d) in overflow.index]
-    claims.append(row("skipping the overflowing step spares the loss damage the same step does in float32",
-                      "; ".join(f"dose {d:g}: scaler {a:+.3f} vs float32 {b:+.3f} nats" for d, a, b in pairs)
-                      or "no skipped perturbed step", None if not pairs else bool(all(a < b for _, a, b in pairs))))
-    return pd.DataFrame(claims)
+        key = ["init_scale", "seed"]
+        long_ = f32c[f32c.block_size == sizes[-1]].set_index(key).headroom0
+        short = f32c[f32c.block_size == sizes[0]].set_index(key).headroom0
+        m = long_.to_frame("long").join(short.to_frame("short"), how="outer")
+        rows.append(C.paired_difference(f"a longer context ({sizes[-1]} vs {sizes[0]}) moves the logits closer to "
+                                        "the fp16 limit (step-0 headroom, paired by init scale and seed)", "our own",
+                                        m["long"].to_numpy(float), m["short"].to_numpy(float), direction="greater",
+                                        alpha=alpha))
+    return rows

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
@@ -12,6 +12,9 @@ from stabstudy.hparams import defaults
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.registry import NOISE_KNOB, ON_POLICY, hparams_class
 from stabstudy.spec import RunSpec
+
+if TYPE_CHECKING:
+    from stabstudy.analysis.claims import Claim
 
 # -- grids -----------------------------------------------------------------------------
 
@@ -126,19 +129,36 @@ def eval_curves(ds: xr.Dataset, env_grid: Sequence[int] | None = None) -> xr.Dat
     return xr.DataArray(out, dims=("run", "env_step"), coords=coords, name="perf")
 
 
+def _stop_env_step(ds: xr.Dataset, i: int) -> float:
+    """Last env step run ``i`` recorded (where training stopped; NaN when none)."""
+    env = ds["env_step"]
+    e = np.asarray(env.isel(run=i).values if "run" in env.dims else env.values, dtype=float)
+    return float(np.nanmax(e)) if np.isfinite(e).any() else np.nan
+
+
 def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recover_frac: float = 0.8,
-              window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1):
+              window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1,
+              min_evals_after: int = 3):
     """One row per run (pandas DataFrame): learner, perturbation, seed, noise knobs,
     ``pre_return`` (baseline before the perturbation start), ``final_return`` (mean
     of the last ``final_points`` evaluations), ``collapsed`` (:func:`stabstudy.analysis.events.collapse`
-    with ``frac``/``recover_frac``/``window`` in env steps and ``min_gain =
+    with ``frac``/``recover_frac``/``window`` in env steps, ``min_gain =
     min_gain_frac * scale``, so a run that learned little before the event must
-    still lose ``(1 - frac) * min_gain_frac`` of the scale), ``min_level``,
-    ``max_drawdown``, ``recovery_time`` (env steps), ``stability`` (:func:`stabstudy.analysis.stats.stability_score`
-    with a shared ``scale``: default the spread between the median untrained return
-    and the best evaluation over all runs). Runs without a perturbation use the
-    grid's median perturbation start as a pseudo-event (so baselines get a
-    collapse rate too). A run with status ``diverged`` counts as collapsed.
+    still lose ``(1 - frac) * min_gain_frac`` of the scale, and ``min_after =
+    min_evals_after``: a drop counts as irreversible only after that many
+    evaluations without recovery; 1 / 0 / NaN = no verdict), ``collapse_state``
+    (:data:`stabstudy.analysis.events.COLLAPSE_STATES`), ``pre_event_invalid``
+    (the run diverged, was non-finite or had already collapsed before the event:
+    left out of every collapse rate and counted separately), ``min_level``,
+    ``max_drawdown``, ``recovery_time`` (env steps; NaN when the return never left
+    the band: nothing to recover from), ``recovery_state``
+    (:data:`stabstudy.analysis.events.RECOVERY_STATES`), ``stability``
+    (:func:`stabstudy.analysis.stats.stability_score` with a shared ``scale``: default
+    the spread between the median untrained return and the best evaluation over
+    all runs; NaN without evaluations after the event). Runs without a
+    perturbation use the grid's median perturbation start as a pseudo-event (so
+    baselines get a collapse rate at the same budget). A run with status
+    ``diverged`` counts as collapsed when it diverged at or after the event.
 
     Each run's numbers come from its own evaluations only (its own env steps): on the
     union grid of all runs, the "last points" before an event or at the end would
@@ -162,21 +182,22 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
     for i in range(curves.sizes["run"]):
         c = eval_curves(ds.isel(run=[i])).isel(run=0).rename(env_step="step")
         ev = starts[i] if np.isfinite(starts[i]) else pseudo
-        res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window,
-                              min_gain=min_gain_frac * scale)
-        fin = c.values[np.isfinite(c.values)]
         row = {k: curves[k].values[i] for k in ("spec_hash", "learner", "seed", "pert_kind", "pert_dose", "pert_start",
                                                   "status") if k in curves.coords}
+        stop = _stop_env_step(ds, i) if row.get("status") == "diverged" else None
+        res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window,
+                              min_gain=min_gain_frac * scale, min_after=min_evals_after, diverged_at=stop)
+        fin = c.values[np.isfinite(c.values)]
         for knob in set(NOISE_KNOB.values()):
             if f"hp_{knob}" in curves.coords:
                 row[knob] = curves[f"hp_{knob}"].values[i]
+        rec_state, rec_time = events.recovery_state(c, ev, abs_tol=0.1 * scale)
         row.update(
             event=ev, pre_return=res.baseline, final_return=float(np.mean(fin[-final_points:])) if fin.size else np.nan,
-            collapsed=1.0 if row.get("status") == "diverged" else (float(res.collapsed) if np.isfinite(res.baseline) else np.nan),
-            min_level=res.min_level,
-            max_drawdown=events.max_drawdown(c, start=ev),
-            recovery_time=events.recovery_time(c, ev, abs_tol=0.1 * scale),
-            stability=stats.stability_score(c, ev, scale=scale),
+            collapsed=res.outcome, collapse_state=res.state, pre_event_invalid=res.pre_event_invalid,
+            min_level=res.min_level, max_drawdown=events.max_drawdown(c, start=ev),
+            recovery_time=rec_time, recovery_state=rec_state,
+            stability=np.nan if res.pre_event_invalid else stats.stability_score(c, ev, scale=scale),
         )
         rows.append(row)
     out = pd.DataFrame(rows)
@@ -190,7 +211,8 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
 def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
     """Per group of :func:`summarize` rows: ``n`` (runs with a collapse verdict), IQM of ``pre_return``, ``final_return``,
     ``stability``, collapse fraction ``p_collapse`` with a Clopper-Pearson 95% CI
-    (``p_low``, ``p_high``) and the number of ``diverged`` runs."""
+    (``p_low``, ``p_high``), the number of ``diverged`` runs and of runs already
+    broken before the event (``pre_event_invalid``, not in ``n``)."""
     import pandas as pd
 
     from stabstudy.analysis import stats
@@ -201,10 +223,12 @@ def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
         p, lo, hi = stats.collapse_probability(g["collapsed"].values)
         # n: runs with a verdict, the denominator of p_collapse (a run without one is NaN there)
         n = int(np.isfinite(g["collapsed"].to_numpy(float)).sum())
+        invalid = g["pre_event_invalid"] if "pre_event_invalid" in g else pd.Series(False, index=g.index)
         rows.append({**dict(zip(by, key, strict=True)), "n": n, "pre_return": stats.iqm(g["pre_return"]),
                      "final_return": stats.iqm(g["final_return"]), "stability": stats.iqm(g["stability"]),
                      "p_collapse": p, "p_low": lo, "p_high": hi,
-                     "diverged": int((g.get("status", pd.Series(dtype=str)) == "diverged").sum())})
+                     "diverged": int((g.get("status", pd.Series(dtype=str)) == "diverged").sum()),
+                     "pre_event_invalid": int(invalid.astype(bool).sum())})
     return pd.DataFrame(rows)
 
 
@@ -253,146 +277,106 @@ def noise_response(table):
     return out
 
 
-def _p(g, learner, kind):
-    row = g[(g.learner == learner) & (g.pert_kind == kind)]
-    if row.empty:
-        return None
-    r = row.iloc[0]
-    return r
+def _rate(runs) -> tuple[int, int]:
+    """(collapses, runs with a verdict) of :func:`summarize` rows."""
+    c = runs["collapsed"].to_numpy(float) if len(runs) else np.array([])
+    c = c[np.isfinite(c)]
+    return int(c.sum()), int(c.size)
 
 
-def _fmt_p(r) -> str:
-    return f"{r.p_collapse:.0%} of {int(r.n)} runs collapsed (95% CI {r.p_low:.0%}-{r.p_high:.0%})"
+#: Label of each perturbation kind in the claims' wording.
+KIND_LABELS = {"lr_spike": "a single learning-rate spike", "action_noise": "action noise",
+               "reward_scale": "a reward-scale perturbation", "obs_noise": "observation noise",
+               "weight_noise": "weight noise"}
 
 
-def claims_table(comp, scale: float, dose_crit: Mapping[str, Any] | None = None, noise=None,
-                 on_policy: str = "ppo", off_policy: Sequence[str] = ("sac", "td3"), comparable_tol: float = 0.25):
-    """The claims of the original report against our data, one row per claim.
+def claims_table(comp, scale: float, *, dose=None, noise=None, on_policy: str = "ppo",
+                 off_policy: Sequence[str] = ("sac", "td3"), comparable_tol: float = 0.25,
+                 decoupling_margin: float = 0.3, alpha: float = 0.05) -> list[Claim]:
+    """The claims of the report under test and the study's own, as :class:`stabstudy.analysis.claims.Claim` rows.
 
     Args:
-        comp: :func:`summarize` table of the comparison grid (all perturbation kinds).
-        scale: the return scale used for stability (for "comparable returns").
-        dose_crit: ``{learner: CriticalDose}`` from :func:`dose_response`.
-        noise: :func:`noise_response` table.
+        comp: :func:`summarize` table of the comparison grid (all perturbation kinds, ``none`` included).
+        scale: the return scale shared by the stability scores.
+        dose: :func:`summarize` rows of the lr-spike dose sweep (None: not run).
+        noise: :func:`summarize` rows of the controlled-stochasticity grid, with each
+            learner's noise knob (:data:`NOISE_KNOB`) as a column (None: not run).
+        comparable_tol: equivalence margin of the pre-perturbation returns, as a
+            fraction of ``scale``.
+        decoupling_margin: equivalence margin of Spearman's rho for "decoupled".
 
-    Verdict rules (point estimates; the measurement column always gives n and the
-    Clopper-Pearson 95% CI; ``decisive`` says whether the CI excludes the 50% threshold):
+    Rules (:mod:`stabstudy.analysis.claims`; runs already broken before the event,
+    ``pre_event_invalid``, are in no claim):
 
-    * "X collapses": supported when X's collapse fraction >= 50% and above its
-      unperturbed rate; not supported otherwise. When the CI straddles 50% the
-      verdict is "inconclusive (leans for/against)" instead.
-    * "Y keeps learning": supported when Y's collapse fraction < 50% and the median
-      of (final - pre-perturbation return) >= 0; not supported otherwise.
-    * "comparable returns before": supported when the IQM pre-perturbation returns
-      differ by at most ``comparable_tol * scale``.
-    * "same pattern under K": supported when the on-policy collapse fraction >= 50%
-      and every off-policy one < 50%.
-    * decoupling: Spearman rho between final return and stability over perturbed
-      runs; supported when |rho| < 0.3, not supported when rho >= 0.3 with
-      p < 0.05, inconclusive otherwise (or n < 6).
-    * stochasticity buffers: mean over learners of Spearman rho(stability, noise
-      knob); supported when > 0.3, not supported when < -0.3, else inconclusive.
-    * critical dose: supported when the on-policy critical dose is below every
-      off-policy one (a NaN = never reached = above the tested range).
-    Any group with no runs gives "inconclusive".
+    * "X collapses irreversibly after K": :func:`~stabstudy.analysis.claims.rate_comparison`
+      of X's collapse rate under K against X's unperturbed rate at the same budget;
+    * "Y keeps learning after K": :func:`~stabstudy.analysis.claims.paired_difference`
+      of each run's final return over its own pre-perturbation return (greater);
+    * "comparable returns before the spike": :func:`~stabstudy.analysis.claims.equivalence`
+      (Welch TOST) of the pre-spike returns, margin ``comparable_tol * scale``;
+    * decoupling: :func:`~stabstudy.analysis.claims.correlation` of final return and
+      stability over perturbed runs, ``expect="none"`` with ``decoupling_margin``;
+    * stochasticity buffers: per learner, rho(noise knob, stability) positive;
+    * lower critical dose: the on-policy collapse rate over the whole dose sweep
+      against each off-policy one over the same doses and seeds.
     """
     import pandas as pd
-    from scipy.stats import spearmanr
 
-    g = group_summary(comp)
+    from stabstudy.analysis import claims as C
+
+    paper, own = "source paper: the report under test", "our own"
     rows = []
 
-    def add(claim, meas, verdict, decisive=""):
-        rows.append({"claim": claim, "our measurement": meas, "supported?": verdict, "decisive": decisive})
+    def valid(t):  # a run broken before its event says nothing about the event, in any claim
+        return t[~t["pre_event_invalid"].fillna(False).astype(bool)] if t is not None and len(t) and \
+            "pre_event_invalid" in t else t
 
-    def verdict(ok: bool, dec: str) -> str:
-        # A point estimate whose 95% interval straddles 50% decides nothing: say which way it leans.
-        if dec == "no":
-            return f"inconclusive (leans {'for' if ok else 'against'})"
-        return "supported" if ok else "not supported"
-
-    def med_gain(a, kind):
-        h = comp[(comp.learner == a) & (comp.pert_kind == kind)]
-        return float(np.nanmedian(h.final_return - h.pre_return)) if len(h) else np.nan
-
-    # 1. on-policy collapse under lr spike
-    for kind, label in (("lr_spike", "a single learning-rate spike"), ("action_noise", "action noise"),
-                        ("reward_scale", "a reward-scale perturbation")):
-        r, r0 = _p(g, on_policy, kind), _p(g, on_policy, "none")
-        if r is None:
-            add(f"{on_policy.upper()} collapses irreversibly after {label}", "no runs", "inconclusive")
-            continue
-        p0 = r0.p_collapse if r0 is not None else 0.0
-        sup = r.p_collapse >= 0.5 and r.p_collapse > p0
-        meas = _fmt_p(r) + (f"; unperturbed: {r0.p_collapse:.0%} of {int(r0.n)}" if r0 is not None else "")
-        dec = "yes" if (r.p_low > 0.5 or r.p_high < 0.5) else "no"
-        add(f"{on_policy.upper()} collapses irreversibly after {label}", meas, verdict(sup, dec), dec)
+    comp, dose, noise = valid(comp), valid(dose), valid(noise)
+    kinds = [k for k in KIND_LABELS if k in set(comp.pert_kind)] if len(comp) else []
+    for kind in kinds or ["lr_spike"]:
+        label = KIND_LABELS[kind]
+        runs = comp[comp.pert_kind == kind] if len(comp) else comp
+        base = comp[comp.pert_kind == "none"] if len(comp) else comp
+        on = runs[runs.learner == on_policy] if len(runs) else runs
+        rows.append(C.rate_comparison(
+            f"{on_policy.upper()} collapses irreversibly after {label} (collapse rate above its unperturbed rate)",
+            paper, *_rate(on), *_rate(base[base.learner == on_policy] if len(base) else base),
+            direction="greater", alpha=alpha))
         for a in off_policy:
-            q = _p(g, a, kind)
-            if q is None:
-                add(f"{a.upper()} keeps learning after {label}", "no runs", "inconclusive")
-                continue
-            gain = med_gain(a, kind)
-            ok = q.p_collapse < 0.5 and gain >= 0
-            dec = "yes" if (q.p_high < 0.5 or q.p_low > 0.5) else "no"
-            add(f"{a.upper()} keeps learning after {label}",
-                _fmt_p(q) + f"; median final - pre-perturbation return {gain:+.0f}", verdict(ok, dec), dec)
+            r = runs[runs.learner == a] if len(runs) else runs
+            rows.append(C.paired_difference(
+                f"{a.upper()} keeps learning after {label} (final return above its pre-perturbation return)",
+                paper, r.final_return.to_numpy(float) if len(r) else [],
+                r.pre_return.to_numpy(float) if len(r) else [], direction="greater", alpha=alpha))
         if kind == "lr_spike":
-            pre_on = r.pre_return
-            pre_off = [(_p(g, a, kind).pre_return if _p(g, a, kind) is not None else np.nan) for a in off_policy]
-            diffs = [abs(pre_on - x) for x in pre_off if np.isfinite(x)]
-            if diffs and np.isfinite(pre_on):
-                ok = max(diffs) <= comparable_tol * scale
-                add("returns before the spike are comparable across algorithms",
-                    f"IQM pre-spike return {on_policy}: {pre_on:.0f}; "
-                    + ", ".join(f"{a}: {x:.0f}" for a, x in zip(off_policy, pre_off, strict=True))
-                    + f" (tolerance {comparable_tol:.0%} of the return scale {scale:.0f})",
-                    "supported" if ok else "not supported")
-        else:
-            qs = [_p(g, a, kind) for a in off_policy]
-            if r is not None and all(q is not None for q in qs):
-                ok = r.p_collapse >= 0.5 and all(q.p_collapse < 0.5 for q in qs)
-                add(f"same pattern under {label} ({on_policy} collapses, {', '.join(off_policy)} do not)",
-                    f"collapse: {on_policy} {r.p_collapse:.0%}, "
-                    + ", ".join(f"{a} {q.p_collapse:.0%}" for a, q in zip(off_policy, qs, strict=True)),
-                    "supported" if ok else "not supported")
-    # decoupling
-    pert = comp[(comp.pert_kind != "none") & comp.final_return.notna() & comp.stability.notna()]
-    if len(pert) >= 6 and pert.stability.nunique() > 1 and pert.final_return.nunique() > 1:
-        res = spearmanr(pert.final_return, pert.stability)
-        rho, pv = float(res.statistic), float(res.pvalue)
-        verdict = "supported" if abs(rho) < 0.3 else ("not supported" if rho >= 0.3 and pv < 0.05 else "inconclusive")
-        order_f = g[g.pert_kind != "none"].groupby("learner").final_return.mean().sort_values(ascending=False)
-        order_s = g[g.pert_kind != "none"].groupby("learner").stability.mean().sort_values(ascending=False)
-        add("high final return is decoupled from stability",
-            f"Spearman rho(final return, stability) = {rho:+.2f} (p = {pv:.2g}, n = {len(pert)} perturbed runs); "
-            f"rank by final return: {' > '.join(order_f.index)}; by stability: {' > '.join(order_s.index)}",
-            verdict, "yes" if pv < 0.05 else "no")
-    else:
-        add("high final return is decoupled from stability", f"only {len(pert)} perturbed runs", "inconclusive")
-    # controlled stochasticity
-    if noise is not None and len(noise) and noise["rho"].notna().any():
-        per = noise.groupby("learner").rho.first().dropna()
-        m = float(per.mean())
-        verdict = "supported" if m > 0.3 else ("not supported" if m < -0.3 else "inconclusive")
-        add("more of the algorithm's own noise buffers the spike (higher stability)",
-            "Spearman rho(stability, noise knob): " + ", ".join(f"{a} {v:+.2f}" for a, v in per.items()), verdict)
-    else:
-        add("more of the algorithm's own noise buffers the spike (higher stability)", "not enough runs", "inconclusive")
-    # critical dose
-    if dose_crit:
-        def val(a):
-            c = dose_crit.get(a)
-            return np.inf if c is None or not np.isfinite(c.dose) else c.dose
-        if on_policy in dose_crit and any(a in dose_crit for a in off_policy):
-            cd = {a: val(a) for a in [on_policy, *off_policy] if a in dose_crit}
-            finite = [v for v in cd.values() if np.isfinite(v)]
-            verdict = "inconclusive" if not finite else (
-                "supported" if all(cd[on_policy] < v for a, v in cd.items() if a != on_policy) else "not supported")
-            add(f"{on_policy.upper()} has a lower critical lr-spike dose than {', '.join(off_policy)}",
-                "critical dose (50% collapse): " + ", ".join(
-                    f"{a} {'never reached' if not np.isfinite(v) else f'{v:.3g}'}" for a, v in cd.items()), verdict)
-    return pd.DataFrame(rows)
+            for a in off_policy:
+                x = on.pre_return.to_numpy(float) if len(on) else []
+                r = runs[runs.learner == a] if len(runs) else runs
+                y = r.pre_return.to_numpy(float) if len(r) else []
+                rows.append(C.equivalence(
+                    f"returns before the spike are comparable: {on_policy.upper()} vs {a.upper()} "
+                    f"(within {comparable_tol:g} of the return scale)", paper, x, y,
+                    margin=comparable_tol * scale, relative=False, paired=False, alpha=alpha))
+    pert = comp[(comp.pert_kind != "none")] if len(comp) else comp
+    rows.append(C.correlation("high final return is decoupled from stability (perturbed runs)", own,
+                              pert.final_return.to_numpy(float) if len(pert) else [],
+                              pert.stability.to_numpy(float) if len(pert) else [],
+                              expect="none", margin=decoupling_margin, alpha=alpha))
+    for a in [on_policy, *off_policy]:
+        knob = NOISE_KNOB.get(a, "")
+        g = noise[noise.learner == a] if noise is not None and len(noise) else None
+        x = pd.to_numeric(g[knob], errors="coerce").to_numpy(float) if g is not None and knob in g else []
+        y = g.stability.to_numpy(float) if g is not None and knob in g else []
+        rows.append(C.correlation(f"more of {a.upper()}'s own noise ({knob}) buffers the spike (higher stability)",
+                                  own, x, y, expect="positive", alpha=alpha))
+    for a in off_policy:
+        d = dose if dose is not None and len(dose) else None
+        rows.append(C.rate_comparison(
+            f"{on_policy.upper()} has a lower critical lr-spike dose than {a.upper()} "
+            "(collapses more often over the same doses and seeds)", own,
+            *_rate(d[d.learner == on_policy] if d is not None else comp.iloc[:0]),
+            *_rate(d[d.learner == a] if d is not None else comp.iloc[:0]), direction="greater", alpha=alpha))
+    return rows
 
 
 def reliability_table(curves: xr.DataArray, by: Sequence[str] = ("learner", "pert_kind"), window: int = 5,

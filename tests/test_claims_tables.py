@@ -1,0 +1,329 @@
+"""Each notebook's claims function: only 'not tested' / 'inconclusive' on empty or NaN-only
+inputs, and 'supported' / 'not supported' on data constructed for and against its claims."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from stabstudy.analysis import claims as C
+from stabstudy.analysis.studies import calibration, lm_spikes, precision, rl_comparison
+
+MISSING = {"not tested", "inconclusive"}
+
+
+def verdicts(rows: list[C.Claim]) -> dict[str, str]:
+    """Claim text -> verdict after Holm (what the notebook shows)."""
+    assert all(isinstance(r, C.Claim) for r in rows)
+    df = C.table(rows)
+    assert df.claim.is_unique, "claims of one table must be distinguishable"
+    return dict(zip(df.claim, df.verdict, strict=True))
+
+
+def find(v: dict[str, str], start: str) -> str:
+    """The verdict of the one claim whose text starts with ``start``."""
+    hits = [k for k in v if k.startswith(start)]
+    assert len(hits) == 1, (start, list(v))
+    return v[hits[0]]
+
+
+# -- notebook 00 -------------------------------------------------------------------------
+
+
+def _eos(ratios: dict[float, list[float]]) -> pd.DataFrame:
+    return pd.DataFrame([{"lr": lr, "seed": i, "ratio": r} for lr, rs in ratios.items() for i, r in enumerate(rs)])
+
+
+def _spikes(n: int, jump: float, drop: float) -> pd.DataFrame:
+    rng = np.random.default_rng(1)
+    return pd.DataFrame({"loss_jump": jump * (1 + 0.05 * rng.random(n)),
+                         "grad_norm_jump": jump * (1 + 0.05 * rng.random(n)),
+                         "sharpness_drop": drop + 0.01 * rng.random(n), "baseline_sharpness_drop": 0.01 * rng.random(n)})
+
+
+def test_calibration_missing_data_gives_no_verdict():
+    nan_eos = _eos({0.3: [np.nan], 0.45: [np.nan], 0.6: [np.nan]})
+    for dense, gd, adam, spikes in [
+        (None, pd.DataFrame(), pd.DataFrame(), []),
+        ({"measured": np.nan, "target": 1.0, "tolerance": 0.02}, nan_eos, nan_eos,
+         pd.DataFrame({k: [np.nan] * 4 for k in _spikes(1, 1, 1)})),
+    ]:
+        assert set(verdicts(calibration.claims_table(dense, gd, adam, spikes)).values()) <= MISSING
+
+
+def test_calibration_one_run_or_too_few_lrs_is_no_verdict():
+    good = _eos({0.3: [1.0], 0.45: [1.0]})  # two learning rates: the GD claim needs three
+    v = verdicts(calibration.claims_table(None, good, _eos({0.003: [1.0]}), _spikes(1, 10.0, 0.8)))
+    assert set(v.values()) <= MISSING
+
+
+def test_calibration_for_and_against():
+    dense = {"measured": 1.005, "target": 1.0, "tolerance": 0.02, "iters_used": 12}
+    gd = _eos({0.3: [1.05, 0.98], 0.45: [0.95, 1.0], 0.6: [1.1, 1.02]})
+    adam = _eos({0.003: [1.1], 0.006: [0.9]})
+    v = verdicts(calibration.claims_table(dense, gd, adam, _spikes(6, 10.0, 0.6)))
+    assert set(v.values()) == {"supported"}
+    bad_dense = {**dense, "measured": 1.5}
+    bad = _eos({0.3: [0.5, 0.4], 0.45: [0.5, 0.6], 0.6: [1.6, 1.5]})
+    v = verdicts(calibration.claims_table(bad_dense, bad, _eos({0.003: [3.0], 0.006: [0.1]}), _spikes(6, 1.1, 0.0)))
+    assert set(v.values()) == {"not supported"}
+
+
+# -- notebook 01 -------------------------------------------------------------------------
+
+
+def _rl(ppo_collapses: bool, off_learns: bool, n: int = 10, decoupled: bool = True) -> pd.DataFrame:
+    rng = np.random.default_rng(0)
+    rows = []
+    for a in ("ppo", "sac", "td3"):
+        for k in ("none", "lr_spike", "action_noise", "reward_scale"):
+            for i in range(n):
+                coll = float(a == "ppo" and k != "none" and ppo_collapses)
+                pre = 1000.0 + rng.normal(0, 10)
+                gain = (200.0 if off_learns else -300.0) if a != "ppo" else (-800.0 if coll else 100.0)
+                final = pre + gain + rng.normal(0, 20)
+                stab = rng.random() if decoupled else (final - 100) / 1500
+                rows.append(dict(learner=a, pert_kind=k, seed=i, pre_return=pre, final_return=final,
+                                 collapsed=coll, stability=stab, pre_event_invalid=False))
+    return pd.DataFrame(rows)
+
+
+def _noise(buffers: bool, n: int = 12) -> pd.DataFrame:
+    rows = []
+    for a, knob, values in (("ppo", "ent_coef", [0.0, 0.01, 0.05]), ("sac", "target_entropy", [-12.0, -6.0, 0.0]),
+                            ("td3", "action_noise_std", [0.0, 0.1, 0.3])):
+        for j, val in enumerate(values):
+            for i in range(n):
+                s = 0.2 + 0.3 * j + 0.01 * i
+                rows.append({"learner": a, knob: val, "stability": s if buffers else 1 - s})
+    return pd.DataFrame(rows)
+
+
+def _dose(ppo_lower: bool, n: int = 10) -> pd.DataFrame:
+    return pd.DataFrame([dict(learner=a, pert_dose=d, seed=i, collapsed=float((a == "ppo") == ppo_lower))
+                         for a in ("ppo", "sac", "td3") for d in (3.0, 30.0) for i in range(n)])
+
+
+def test_rl_missing_data_gives_no_verdict():
+    assert set(verdicts(rl_comparison.claims_table(pd.DataFrame(), 1.0)).values()) <= MISSING
+    comp = _rl(True, True)
+    for c in ("pre_return", "final_return", "collapsed", "stability"):
+        comp[c] = np.nan
+    noise, dose = _noise(True), _dose(True)
+    noise["stability"], dose["collapsed"] = np.nan, np.nan
+    assert set(verdicts(rl_comparison.claims_table(comp, 2000.0, dose=dose, noise=noise)).values()) <= MISSING
+
+
+def test_rl_claims_for_and_against():
+    v = verdicts(rl_comparison.claims_table(_rl(True, True, n=40), 2000.0, dose=_dose(True), noise=_noise(True)))
+    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "supported"
+    assert find(v, "SAC keeps learning after action noise") == "supported"
+    assert find(v, "returns before the spike are comparable: PPO vs TD3") == "supported"
+    assert find(v, "high final return is decoupled") == "supported"
+    assert find(v, "more of SAC's own noise") == "supported"
+    assert find(v, "PPO has a lower critical lr-spike dose than TD3") == "supported"
+    v = verdicts(rl_comparison.claims_table(_rl(False, False, n=40, decoupled=False), 2000.0, comparable_tol=0.001,
+                                            dose=_dose(False), noise=_noise(False)))
+    assert find(v, "SAC keeps learning after action noise") == "not supported"
+    assert find(v, "returns before the spike are comparable: PPO vs SAC") in MISSING | {"not supported"}
+    assert find(v, "high final return is decoupled") == "not supported"
+    assert find(v, "more of TD3's own noise") == "not supported"
+    assert find(v, "PPO has a lower critical lr-spike dose than SAC") == "not supported"
+    # a collapse rate is compared with the unperturbed rate, not with 50%: all collapse, unperturbed too
+    same = _rl(True, True)
+    same.loc[same.learner == "ppo", "collapsed"] = 1.0
+    v = verdicts(rl_comparison.claims_table(same, 2000.0))
+    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "inconclusive"
+
+
+def test_rl_runs_broken_before_the_event_are_left_out_of_the_rate():
+    comp = _rl(True, True, n=10)
+    ppo = comp.learner == "ppo"
+    comp.loc[ppo & (comp.pert_kind == "lr_spike"), ["collapsed", "pre_event_invalid"]] = [np.nan, True]
+    v = verdicts(rl_comparison.claims_table(comp, 2000.0))
+    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "not tested"
+    g = rl_comparison.group_summary(comp).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
+    assert g.n == 0 and g.pre_event_invalid == 10
+
+
+def test_rl_summarize_separates_broken_runs_and_unobserved_drops():
+    """Diverged before the event: pre_event_invalid, in no rate; diverged after it: collapsed; a drop
+    at the last evaluations: no verdict; a run never hit has no recovery time (not 'recovered')."""
+    import xarray as xr
+
+    env = [0.0, 1000, 2000, 3000, 4000, 5000]
+    runs = {  # name: (perf, status); the event at env step 2500; NaN after a run stopped
+        "early": ([0.0, 100, np.nan, np.nan, np.nan, np.nan], "diverged"),
+        "late": ([0.0, 100, 200, 210, np.nan, np.nan], "diverged"),
+        "dip_at_end": ([0.0, 100, 200, 210, 205, -50], "ok"),
+        "steady": ([0.0, 100, 200, 210, 205, 208], "ok"),
+        "collapsed": ([0.0, 100, 200, 0, -10, -5], "ok"),
+    }
+    perf = np.array([v for v, _ in runs.values()])
+    envs = np.where(np.isfinite(perf), np.array(env), np.nan)
+    envs[0, 2] = 1500.0  # the early run stopped (diverged) at env step 1500, before the event
+    k = len(runs)
+    ds = xr.Dataset({"perf": (("run", "step"), perf)},
+                    coords={"run": list(runs), "env_step": (("run", "step"), envs), "learner": ("run", ["ppo"] * k),
+                            "seed": ("run", list(range(k))), "pert_kind": ("run", ["lr_spike"] * k),
+                            "pert_start": ("run", [2500.0] * k), "status": ("run", [s for _, s in runs.values()])})
+    t = rl_comparison.summarize(ds, scale=200.0, min_evals_after=2).set_index("spec_hash")
+    assert t.collapse_state.to_dict() == {"early": "pre_event_invalid", "late": "diverged",
+                                          "dip_at_end": "unobserved", "steady": "no_drop", "collapsed": "collapsed"}
+    assert t.pre_event_invalid.tolist() == [True, False, False, False, False]
+    np.testing.assert_array_equal(t.collapsed.to_numpy(float), [np.nan, 1.0, np.nan, 0.0, 1.0])
+    assert np.isnan(t.loc["early", "stability"])
+    assert t.loc["steady", "recovery_state"] == "never_left" and np.isnan(t.loc["steady", "recovery_time"])
+    g = rl_comparison.group_summary(t.reset_index()).iloc[0]
+    assert (g.n, g.pre_event_invalid, g.p_collapse) == (3, 1, pytest.approx(2 / 3))
+
+
+# -- notebook 02 -------------------------------------------------------------------------
+
+
+def _lm(n: int = 6, spike: bool = True, memory_ok: bool = True, qk_helps: bool = True):
+    rng = np.random.default_rng(2)
+    eff = []
+    for kind in ("lr_spike", "outlier_batch"):
+        for noise in (0.0, 1.0, 3.0):
+            for i in range(n):
+                size = (1.0 if spike else 0.0) / (1 + noise if spike else 1)
+                eff.append(dict(event=kind, noise=noise, seed=i, beta2=0.95,
+                                peak_excess_loss=size + 0.01 * rng.random(),
+                                final_damage=(0.3 if not spike else 0.0) + 0.002 * rng.normal(),
+                                grad_norm_ratio=(5.0 if spike else 1.0) + 0.1 * rng.random(),
+                                adam_v_ratio=(5.0 if spike else 1.0) + 0.1 * rng.random()))
+    mem = pd.DataFrame([dict(beta2=b2, seed=i, tau_theory=1 / (1 - b2), steps_observed=500,
+                             t_efold=(1 / (1 - b2)) * (1.05 if memory_ok else 3.0),
+                             tau_fit=(1 / (1 - b2)) * (1 + 0.01 * i) if memory_ok else 1000 * (1 - b2) + 0.1 * i)
+                        for b2 in (0.9, 0.95, 0.99) for i in range(n)])
+    sweep = []
+    for variant in ("baseline", "qk_layernorm", "z_loss"):
+        for j, lr in enumerate((1e-3, 3e-3, 1e-2, 3e-2, 1e-1)):
+            for i in range(n):
+                qk = variant == "qk_layernorm"
+                logit = 10.0 * (j + 1) * (0.2 if qk == qk_helps else 1.0) + rng.random()
+                worse = j >= (2 if qk and not qk_helps else 3) and (variant == "baseline" or not qk_helps)
+                sweep.append(dict(variant=variant, lr=lr, seed=i, final_loss=4.0 + j if worse else 2.0 + 0.01 * rng.random(),
+                                  loss0=5.5, attn_logit_max=logit, status="ok"))
+    sharp = pd.DataFrame([dict(spec_hash=f"r{i}", in_event=e, precond_ratio=(0.5 if e == 0 else 2.0) * (1 + 0.05 * i))
+                          for i in range(n) for e in (0, 1)])
+    return pd.DataFrame(eff), mem, pd.DataFrame(sweep), sharp
+
+
+def test_lm_missing_data_gives_no_verdict():
+    empty = pd.DataFrame()
+    assert set(verdicts(lm_spikes.claims(empty, empty, empty, None)).values()) <= MISSING
+    eff, mem, sweep, sharp = _lm()
+    for df, cols in ((eff, ["peak_excess_loss", "final_damage", "grad_norm_ratio", "adam_v_ratio"]),
+                     (mem, ["t_efold", "tau_fit"]), (sweep, ["final_loss", "attn_logit_max"]),
+                     (sharp, ["precond_ratio"])):
+        df[cols] = np.nan
+    assert set(verdicts(lm_spikes.claims(eff, mem, sweep, sharp)).values()) <= MISSING
+
+
+def test_lm_qk_layernorm_row_needs_qk_data():
+    eff, mem, sweep, sharp = _lm(n=3)
+    v = verdicts(lm_spikes.claims(eff, mem, sweep[sweep.variant != "qk_layernorm"], sharp))
+    assert find(v, "qk-layernorm keeps the maximum attention logit") == "not tested"
+    assert find(v, "qk-layernorm lowers LR sensitivity") == "not tested"
+    # a variant whose every run diverged has no sensitivity (not the best one, 0)
+    dead = sweep.copy()
+    dead.loc[dead.variant == "qk_layernorm", "final_loss"] = np.nan
+    assert find(verdicts(lm_spikes.claims(eff, mem, dead, sharp)), "qk-layernorm lowers LR sensitivity") == "not tested"
+    one_seed = sweep[sweep.seed == 0]
+    assert find(verdicts(lm_spikes.claims(eff, mem, one_seed, sharp)), "qk-layernorm lowers LR") == "inconclusive"
+
+
+def test_lm_claims_for_and_against():
+    v = verdicts(lm_spikes.claims(*_lm()))
+    for start in ("an LR spike causes a loss spike", "the spike after an outlier batch is transient",
+                  "an outlier batch inflates the gradient norm", "inflated Adam second moments persist",
+                  "their persistence grows", "qk-layernorm lowers LR sensitivity",
+                  "attention logits grow with the learning rate", "qk-layernorm keeps the maximum attention logit",
+                  "attention-logit growth accompanies", "controlled stochasticity (gradient noise) buffers an LR "
+                  "spike: lower peak", "outside spikes", "during an LR spike"):
+        assert find(v, start) == "supported", start
+    v = verdicts(lm_spikes.claims(*_lm(spike=False, memory_ok=False, qk_helps=False)))
+    assert find(v, "an LR spike leaves unrecovered damage") == "supported"
+    for start in ("the spike after an LR spike is transient", "an outlier batch inflates Adam's second moment",
+                  "inflated Adam second moments persist", "their persistence grows", "qk-layernorm lowers LR",
+                  "qk-layernorm keeps the maximum attention logit"):
+        assert find(v, start) == "not supported", start
+
+
+# -- notebook 03 -------------------------------------------------------------------------
+
+
+def _prec(for_claims: bool, n: int = 6):
+    rng = np.random.default_rng(3)
+    a = []
+    for p, off in (("float32", 0.0), ("bf16_autocast", 0.001 if for_claims else 0.3), ("fp16_autocast", 0.2),
+                   ("fp16_autocast_scaler", 0.0 if for_claims else 0.4), ("bf16_pure", 0.3 if for_claims else -0.2),
+                   ("fp16_pure", np.nan)):
+        for i in range(n):
+            a.append(dict(precision=p, seed=i, final_loss=2.0 + off + 0.002 * rng.normal(),
+                          status="diverged" if p == "fp16_pure" and for_claims else "ok"))
+    b = []
+    for p in ("float32", "bf16_autocast", "fp16_autocast", "fp16_autocast_scaler"):
+        for d in (1.0, 1e6, 1e8):
+            for i in range(n):
+                pert = d != 1.0
+                over = pert and p.startswith("fp16")
+                no_scaler = p == "fp16_autocast"
+                broke = over and (no_scaler == for_claims)
+                damage = {"float32": 0.5, "fp16_autocast_scaler": 0.0}.get(p, 0.0) if for_claims else \
+                    {"float32": 0.0, "fp16_autocast_scaler": 0.5}.get(p, 0.0)
+                b.append(dict(precision=p, pert_dose=d, seed=i, nonfinite_steps=int(over or (pert and not for_claims)),
+                              adam_state_nonfinite_max=10.0 if broke else 0.0, status="diverged" if broke else "ok",
+                              skipped_steps=int(over and p == "fp16_autocast_scaler"),
+                              final_loss=2.0 + (damage if pert else 0.0) + 0.01 * rng.random()))
+    rho = pd.DataFrame([dict(precision="bf16_pure", seed=i, rho=(-0.8 if for_claims else 0.8) + 0.05 * i, p=0.01)
+                        for i in range(n)])
+    logit = []
+    for p in ("float32", "fp16_autocast"):
+        for init in (1.0, 3.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0):
+            for t in (64, 256):
+                for i in range(2):
+                    h = init * 1e-3 * (t / 64 if for_claims else 64 / t) * (1 + 0.01 * i)
+                    over = h >= 1
+                    div = (over if for_claims else not over) and p == "fp16_autocast"
+                    logit.append(dict(precision=p, init_scale=init, block_size=t, seed=i, headroom0=h,
+                                      headroom_peak=h, headroom_naive0=h / 8, status="diverged" if div else "ok",
+                                      steps_done=5))
+    return pd.DataFrame(a), pd.DataFrame(b), rho, pd.DataFrame(logit)
+
+
+def test_precision_missing_data_gives_no_verdict():
+    empty = pd.DataFrame()
+    assert set(verdicts(precision.claims_table(empty, empty, empty, empty)).values()) <= MISSING
+    a, b, rho, logit = _prec(True)
+    a[["final_loss", "status"]] = np.nan
+    b[["final_loss", "nonfinite_steps", "adam_state_nonfinite_max", "skipped_steps", "status"]] = np.nan
+    rho["rho"] = np.nan
+    logit[["headroom0", "headroom_peak", "headroom_naive0"]] = np.nan
+    logit["status"] = None
+    assert set(verdicts(precision.claims_table(a, b, rho, logit)).values()) <= MISSING
+
+
+def test_precision_claims_for_and_against():
+    v = verdicts(precision.claims_table(*_prec(True), equivalence_margin=0.02))
+    assert find(v, "after an fp16 overflow reaches Adam") == "not tested"  # the learner stops: cannot fail
+    del v[next(k for k in v if k.startswith("after an fp16 overflow reaches Adam"))]
+    assert set(v.values()) == {"supported"}, v
+    v = verdicts(precision.claims_table(*_prec(False), equivalence_margin=0.02))
+    for start in ("bf16 autocast reaches float32", "fp16 autocast without loss scaling", "an fp16 overflow corrupts",
+                  "with GradScaler the same overflow", "skipping the overflowing step", "pure bf16 storage erases",
+                  "pure bf16 ends worse", "the float32 twin's fp16 headroom", "a longer context"):
+        assert find(v, start) == "not supported", start
+    assert find(v, "bfloat16 keeps float32's range") in MISSING  # both overflow: no difference either way
+    assert find(v, "pure fp16 Adam") == "inconclusive"  # neither diverges
+
+
+@pytest.mark.parametrize("margin", [0.02, 0.05])
+def test_precision_equivalence_is_tost_against_the_stated_margin(margin):
+    a, b, rho, logit = _prec(True)
+    a.loc[a.precision == "bf16_autocast", "final_loss"] += 0.03 * 2.0  # 3% above float32
+    v = verdicts(precision.claims_table(a, b, rho, logit, equivalence_margin=margin))
+    assert find(v, "bf16 autocast reaches float32") == ("not supported" if margin == 0.02 else "supported")
