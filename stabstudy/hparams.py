@@ -91,6 +91,8 @@ class GPTHParams:
     """multiplier of the init std"""
     tie_weights: bool = True
     """tie embedding and output head"""
+    post_ln: bool = False
+    """post-LayerNorm blocks (LN after each residual sum, original Transformer) instead of pre-LN"""
     batch_size: int = 16
     """sequences per step"""
     lr: float = 1e-3
@@ -132,6 +134,38 @@ class GPTHParams:
 
 
 @dataclass(frozen=True)
+class SeqHParams:
+    """Recurrent networks on a long-range sequence task (learners ``rnn_tanh``, ``rnn_linear``, ``lstm``)."""
+
+    hidden: int = 64
+    """recurrent units"""
+    T: int = 50
+    """sequence length (time steps) of the task"""
+    lr: float = 0.01
+    """learning rate"""
+    batch_size: int = 32
+    """sequences per step (fresh ones each step)"""
+    grad_clip: float = 0.0
+    """global grad-norm clip with torch.nn.utils.clip_grad_norm_ (0 = off)"""
+    sigma: float = 1.0
+    """recurrent init: a random orthogonal matrix times sigma (per gate for the LSTM)"""
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    """sgd (with momentum) or adam"""
+    momentum: float = 0.0
+    """heavy-ball momentum of sgd"""
+    beta1: float = 0.9
+    """Adam beta1"""
+    beta2: float = 0.999
+    """Adam beta2"""
+    forget_bias: float = 1.0
+    """LSTM forget-gate bias at init"""
+    diverge_loss: float = 1000.0
+    """a training loss above this (or non-finite) counts as diverged"""
+    eval_size: int = 512
+    """held-out sequences for test_loss (one fixed set for every seed)"""
+
+
+@dataclass(frozen=True)
 class RLCommon:
     """What every stable-baselines3 learner shares (network size, evaluation, telemetry)."""
 
@@ -155,6 +189,10 @@ class RLCommon:
     """off-policy: read algorithm diagnostics every this many train calls"""
     diverge_threshold: float = 1e8
     """a loss, gradient norm, Q value or return above this counts as diverged"""
+    prefix_steps: int = 0
+    """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
+    noise_after_fork: float | Literal["same"] = "same"
+    """a fork's own noise knob (registry.NOISE_KNOB) from the fork on; "same": the prefix's value"""
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ DOMAINS: dict[str, Domain] = {d.name: d for d in (
             "ddpg": H.DDPGHParams}),
     Domain("lm", "stabstudy.learners.lm:run", "optimizer updates",
            "stdlib (the Python standard library sources) or a text-file path", {"gpt": H.GPTHParams}),
+    Domain("seq", "stabstudy.learners.seq:run", "optimizer updates",
+           "adding (the adding problem, generated from the seed)",
+           {"rnn_tanh": H.SeqHParams, "rnn_linear": H.SeqHParams, "lstm": H.SeqHParams}),
 )}
 
 #: Valid learners per domain.
@@ -160,6 +163,8 @@ DOMAIN_CHANNELS: dict[str, dict[str, str]] = {
         "adam_state_nonfinite": "non-finite Adam state entries",
     },
     "toy": {"test_loss": "loss on held-out data", "train_acc": "training accuracy (classification)"},
+    "seq": {"test_loss": "loss on held-out data", "grad_norm_raw": "gradient norm before clipping",
+            "clipped": "1 where clipping scaled the gradient down"},
 }
 #: Channels of the curvature probe (toy and LM runs with ``curvature_every > 0``).
 CURVATURE: dict[str, str] = {

@@ -1,7 +1,8 @@
 """A small GPT for stability studies, readable top to bottom (nanoGPT-style).
 
-Token + position embeddings, pre-LayerNorm blocks of causal self-attention and an
-MLP, a final LayerNorm and a (tied or untied) output head. Two options from
+Token + position embeddings, pre-LayerNorm blocks (``post_ln``: post-LayerNorm, as in
+the original Transformer) of causal self-attention and an MLP, a final LayerNorm and a
+(tied or untied) output head. Two options from
 Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training
 instabilities"):
 
@@ -53,6 +54,8 @@ class GPTConfig:
     """Multiplier of the initial weight std (base std 0.02, residual projections / sqrt(2 n_layer))."""
     tie_weights: bool = True
     """Share the token-embedding matrix with the output head."""
+    post_ln: bool = False
+    """Post-LN blocks ``x = LN(x + f(x))`` (Vaswani et al. 2017) instead of pre-LN ``x = x + f(LN(x))``."""
 
 
 @dataclass
@@ -129,8 +132,13 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
+        self.post_ln = cfg.post_ln
 
     def forward(self, x: torch.Tensor, diag: dict | None = None) -> torch.Tensor:
+        if self.post_ln:
+            # the final ln_f then acts on an already normalised stream (at init nearly the identity)
+            x = self.ln_1(x + self.attn(x, diag))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attn(self.ln_1(x), diag)
         return x + self.mlp(self.ln_2(x))
 
