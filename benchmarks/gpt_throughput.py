@@ -2,7 +2,9 @@
 
 Four variants side by side, timed in interleaved repeats (A B C D, B C D A, ...) so that load
 from other processes hits them alike; the table reports the median tokens/s per variant and
-the ratio to the float32 / no-Monitor reference.
+the ratio to the float32 / no-Monitor reference. The Monitor (``every=1``, torch ops on the
+model's device) gets the loss as a tensor, so the timed loop reads nothing back per step on a
+GPU: its rows reach the host in blocks of ``--sync-every``.
 
     OMP_NUM_THREADS=1 python benchmarks/gpt_throughput.py [--steps 20] [--repeats 12] [--n-embd 64]
 """
@@ -23,11 +25,11 @@ from stabstudy.learners.corpus import get_batch, load_corpus
 from stabstudy.learners.gpt import GPT
 
 
-def make_variant(hp: dict, monitor: bool, dtype: str, device: torch.device):
+def make_variant(hp: dict, monitor: bool, dtype: str, device: torch.device, sync_every: int = 64):
     torch.manual_seed(0)
     model = GPT(lm.model_config(hp)).to(device)
     opt = lm.make_optimizer(model, hp)
-    mon = Monitor(model, opt, every=1) if monitor else None
+    mon = Monitor(model, opt, every=1, sync_every=sync_every) if monitor else None
     return {"model": model, "opt": opt, "mon": mon, "dtype": dtype}
 
 
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--sync-every", type=int, default=64, help="the Monitor's rows per device-to-host copy")
     args = ap.parse_args()
     hp = {**defaults(GPTHParams), "n_embd": args.n_embd, "n_layer": args.n_layer, "batch_size": args.batch_size,
           "block_size": args.block_size}
@@ -69,7 +72,7 @@ def main() -> None:
     batches = [tuple(t.to(device) for t in get_batch(corpus.train, args.batch_size, args.block_size, g))
                for _ in range(args.steps)]
     names = [("float32", False), ("float32", True), ("bfloat16", False), ("bfloat16", True)]
-    variants = {n: make_variant(hp, mon, dt, device) for n in names for dt, mon in [n]}
+    variants = {n: make_variant(hp, mon, dt, device, args.sync_every) for n in names for dt, mon in [n]}
     for v in variants.values():  # warm-up
         train_steps(v, batches[:3], device)
     times: dict = {n: [] for n in names}

@@ -224,3 +224,59 @@ def test_twin_has_the_same_logging_cadence():
     for order in ([sparse, same, event], [same, sparse, event]):
         assert study.run_table(order).loc[event.spec_hash, "twin"] == same.spec_hash
     assert study.run_table([sparse, event]).loc[event.spec_hash, "twin"] == ""
+
+
+@pytest.mark.parametrize("case", ["ok", "loss_nan", "params_nan"])
+def test_block_copies_leave_the_recorded_trajectory_unchanged(monkeypatch, case):
+    """Losses and divergence checks stay on the device and reach the host every SYNC_EVERY
+    steps: a run must record exactly what it records with a copy after every step, also when it
+    diverges inside a block (a non-finite loss: the run stops before that step's update; non-finite
+    parameters after an update: the step is kept)."""
+    import torch
+
+    perts = {"ok": [], "loss_nan": [Perturbation("weight_noise", 13, 1, dose=1e39)],
+             "params_nan": [Perturbation("grad_noise", 12, 1, dose=1e39)]}[case]  # 12: a checked step
+    s = spec(steps=24, perts=perts, log_every=2, **({"grad_scaler": True} if case == "ok" else {}))
+    s = s.replace(eval_every=8)
+    runs = {}
+    for n in (1, 5, 64):
+        monkeypatch.setattr(lm, "SYNC_EVERY", n)
+        runs[n] = lm.run(s)
+    for n in (5, 64):
+        a, b = runs[1], runs[n]
+        assert a.attrs["status"] == b.attrs["status"] == ("ok" if case == "ok" else "diverged")
+        assert list(a.data_vars) == list(b.data_vars) and a.sizes == b.sizes
+        for k in a.data_vars:
+            torch.testing.assert_close(b[k].values, a[k].values, rtol=0, atol=0, equal_nan=True, msg=k)
+    if case != "ok":
+        ds, last = runs[64], 13 if case == "loss_nan" else 12
+        assert ds.sizes["step"] == last + 1 and np.isfinite(ds.lr.values[last])
+        # the diverged step's loss is recorded; its update only when it was applied
+        assert np.isnan(ds.loss.values[last]) == np.isnan(ds.grad_norm.values[last]) == (case == "loss_nan")
+
+
+def test_training_loop_does_not_synchronise_with_the_host(monkeypatch):
+    """On CUDA, the steps of a float32 run (after the first, which takes diagnostics) make no
+    synchronising call: losses, divergence checks and the Monitor's channels stay on the device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    real_lr_at, real_evaluate = lm.lr_at, lm.evaluate
+
+    def lr_at(step, *a, **kw):  # called first in every step
+        torch.cuda.set_sync_debug_mode("error" if step >= 1 else 0)
+        return real_lr_at(step, *a, **kw)
+
+    def evaluate(*a, **kw):  # evaluation reads the loss back: allowed
+        torch.cuda.set_sync_debug_mode(0)
+        return real_evaluate(*a, **kw)
+
+    monkeypatch.setattr(lm, "lr_at", lr_at)
+    monkeypatch.setattr(lm, "evaluate", evaluate)
+    try:
+        ds = lm.run(spec(steps=12, diag_every=1000, device="cuda").replace(eval_every=100))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert ds.attrs["status"] == "ok" and np.isfinite(ds.loss.values).all()
+    assert np.isfinite(ds.grad_norm.values).all() and np.isfinite(ds.xgrad.values[1:]).all()

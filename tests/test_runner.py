@@ -127,7 +127,7 @@ def test_stored_provenance_is_the_producing_processes(tmp_store):
     result, producer = runner._worker_task(s)
     assert producer == runner.made_by("toy") and set(producer) == {
         "stabstudy_version", "git_commit", "torch_version", "results_version", "python_version", "numpy_version",
-        "xarray_version", "scipy_version"}
+        "xarray_version", "scipy_version", "telemetry_version"}
     other = {"stabstudy_version": "9.9", "git_commit": "abc123", "torch_version": "0.0", "results_version": 42}
     runner._store_result(tmp_store, s, result, other)
     attrs = tmp_store.load(s).attrs

@@ -49,10 +49,69 @@ from stabstudy.spec import RunSpec
 
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
-RESULTS_VERSION = 1
+#: 2: lambda_max from the on-device Lanczos (another start vector: values move within its tolerance).
+RESULTS_VERSION = 2
 
 PRECISION_CHANNELS = ("nonfinite_grads", "loss_scale", "skipped_step", "lost_update_frac",
                       "fp16_headroom", "adam_state_nonfinite")
+
+#: Steps whose losses and parameter-finiteness checks stay on the device before one copy to
+#: the host (and the Monitor's ``sync_every``): the float32 training loop reads no tensor back
+#: per step. A divergence is found at the copy; the run is then cut at the diverged step, as
+#: if it had stopped there (the recorded values do not depend on this number).
+SYNC_EVERY = 64
+
+
+class _DeviceLog:
+    """Per-step scalars of the training loop (loss, ce_loss, z_loss, and the sum of the
+    parameters' norms where their finiteness is checked), float64 on the device, copied to the
+    host a block of ``rows`` steps at a time."""
+
+    LOSS, CE, Z, PARAMS = range(4)
+
+    def __init__(self, device: torch.device, rows: int):
+        self.t = torch.full((rows, 4), math.nan, dtype=torch.float64, device=device)
+        self.views = [list(r.unbind()) for r in self.t]
+        self.base, self.n = 0, 0  # first step in the block, steps in it
+        self.checked: list[int] = []  # steps whose parameters were checked
+
+    def put(self, step: int, col: int, value: torch.Tensor) -> None:
+        self.views[step - self.base][col].copy_(value.detach())
+        self.n = step - self.base + 1
+
+    def check_params(self, step: int, params: list[torch.Tensor]) -> None:
+        """Stage the finiteness check of ``precision.all_finite``: the sum of the parameters'
+        norms in float64 is finite exactly when every element is."""
+        with torch.no_grad():
+            self.put(step, self.PARAMS, torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64)).sum())
+        self.checked.append(step)
+
+    def full(self) -> bool:
+        return self.n == len(self.views)
+
+    def flush(self, rec: dict[str, np.ndarray]) -> tuple[int, bool] | None:
+        """Copy the block to ``rec`` (loss, ce_loss, z_loss) and start the next one; return the
+        first diverged step in it with whether its loss (else its parameters) went non-finite."""
+        t, base, n = self.t[:self.n], self.base, self.n
+        if t.device.type == "cuda":  # one wait per block, on an event (the copy is the sync)
+            host = t.to("cpu", non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            ev.synchronize()
+            vals = host.numpy()
+        else:
+            vals = t.numpy().copy()
+        self.t.fill_(math.nan)
+        for k, col in (("loss", self.LOSS), ("ce_loss", self.CE), ("z_loss", self.Z)):
+            rec[k][base:base + n] = vals[:, col]
+        checked = set(self.checked)
+        self.base, self.n, self.checked = base + n, 0, []
+        for j in range(n):
+            if not math.isfinite(vals[j, self.LOSS]):
+                return base + j, True
+            if base + j in checked and not math.isfinite(vals[j, self.PARAMS]):
+                return base + j, False
+        return None
 
 
 def hparams(spec: RunSpec) -> dict[str, Any]:
@@ -153,7 +212,7 @@ def run(spec: RunSpec) -> xr.Dataset:
                       or bool(hp["grad_scaler"]) or "precision_switch" in kinds)
     scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
                                         growth_interval=int(hp["scaler_growth_interval"]))
-    mon = Monitor(model, opt, every=spec.log_every)
+    mon = Monitor(model, opt, every=spec.log_every, sync_every=SYNC_EVERY)
     probe = None
     if spec.curvature_every:  # sharpness on a fixed probe batch, eval mode (no dropout), explicit attention
         px, py = (t.to(device) for t in get_batch(corpus.train, B, T, torch.Generator().manual_seed(seed + 3_000_017)))
@@ -165,8 +224,10 @@ def run(spec: RunSpec) -> xr.Dataset:
                                          iters=int(hp["curvature_iters"]), seed=seed)
 
     n_layer = int(hp["n_layer"])
-    names = ["loss", "ce_loss", "z_loss", "lr", "val_loss", "perf", "attn_logit_max", "out_logit_max",
-             "attn_entropy_min", "lambda_max", *(f"attn_logit_max_l{i}" for i in range(n_layer))]
+    # recorded before a step's loss is known to be finite: a step whose loss is not keeps only these
+    before_check = ["loss", "ce_loss", "z_loss", "lr", "attn_logit_max", "out_logit_max", "attn_entropy_min",
+                    *(f"attn_logit_max_l{i}" for i in range(n_layer))]
+    names = [*before_check[:4], "val_loss", "perf", *before_check[4:7], "lambda_max", *before_check[7:]]
     if precision_mode:
         names += list(PRECISION_CHANNELS)
     if probe is not None:
@@ -174,6 +235,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     rec = {k: np.full(steps, np.nan) for k in names}
     mon_row_step: dict[int, int] = {}  # Monitor row -> step (a loss-scaler skip makes no row)
     status, done = "ok", 0
+    dlog = _DeviceLog(device, SYNC_EVERY)
     try:
         for step in range(steps):
             # -- schedule: learning rate, beta2, precision --------------------------------
@@ -189,7 +251,8 @@ def run(spec: RunSpec) -> xr.Dataset:
             ob = sched.of_kind("outlier_batch", step)
             if ob is not None:
                 x, y = outlier_batch(x, y, ob.dose, int(ob.p.get("token", corpus.rare_token)))
-            x, y = x.to(device), y.to(device)
+            # pageable source: the driver stages it, no stream synchronisation
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # -- instantaneous parametric perturbations ------------------------------------
             for p in sched.starts_at(step, "weight_noise"):
                 perturb.add_weight_noise(model, p.dose, pert_gen)
@@ -200,16 +263,14 @@ def run(spec: RunSpec) -> xr.Dataset:
             with precision.autocast(device.type, ac_name):
                 out = model(x, y, diagnostics=diag_now)
             loss = out.loss
-            loss_val = float(loss.detach())
-            rec["loss"][step], rec["ce_loss"][step] = loss_val, float(out.ce.detach())
-            rec["z_loss"][step], rec["lr"][step] = float(out.zloss.detach()), lr
+            dlog.put(step, dlog.LOSS, loss)
+            dlog.put(step, dlog.CE, out.ce)
+            dlog.put(step, dlog.Z, out.zloss)
+            rec["lr"][step] = lr
             for k, v in out.diag.items():
                 if k in rec:
                     rec[k][step] = v
             done = step + 1
-            if not math.isfinite(loss_val):
-                status = "diverged"
-                break
             ls = sched.of_kind("loss_scale", step)
             objective = loss * ls.dose if ls is not None else loss
             opt.zero_grad(set_to_none=True)
@@ -240,14 +301,25 @@ def run(spec: RunSpec) -> xr.Dataset:
             if mon.step >= 0:
                 mon_row_step.setdefault(mon.step, step)
             if precision_mode or step % spec.log_every == 0:
-                if not precision.all_finite(params):
-                    status = "diverged"
+                dlog.check_params(step, params)
+            # -- divergence: a non-finite loss or parameters, found a block at a time ----------
+            eval_now = (step + 1) % eval_every == 0 or step == steps - 1
+            probe_now = probe is not None and step % spec.curvature_every == 0
+            if dlog.full() or eval_now or probe_now:  # before evaluating: never a diverged model
+                diverged = dlog.flush(rec)
+                if diverged is not None:
+                    s, at_loss = diverged
+                    status, done = "diverged", s + 1
+                    if at_loss:  # the run stops before this step's update
+                        for k in rec.keys() - set(before_check):
+                            rec[k][s] = np.nan
+                    mon_row_step = {r: t for r, t in mon_row_step.items() if t < s or (t == s and not at_loss)}
                     break
             # -- evaluation and curvature --------------------------------------------------
-            if (step + 1) % eval_every == 0 or step == steps - 1:
+            if eval_now:
                 vl = evaluate(model, val_batches, device, ac_name)
                 rec["val_loss"][step], rec["perf"][step] = vl, -vl
-            if probe is not None and step % spec.curvature_every == 0:
+            if probe_now:
                 update = mon.last_update(params) if mon_row_step.get(mon.step) == step else None
                 was = model.training
                 model.eval()

@@ -123,9 +123,12 @@ def package_versions(domain: str | None = None) -> dict[str, str]:
 
 def code_identity(domain: str | None = None) -> dict[str, str]:
     """The code that produces runs in this process: package version, git commit, torch version,
-    and the :func:`package_versions` of ``domain``."""
+    the telemetry Monitor's implementation (``TELEMETRY_VERSION``), and the
+    :func:`package_versions` of ``domain``."""
+    from stabstudy.instruments.telemetry import TELEMETRY_VERSION  # imports torch: only when asked
+
     return {"stabstudy_version": __version__, "git_commit": git_commit(), "torch_version": _torch_version(),
-            **package_versions(domain)}
+            "telemetry_version": TELEMETRY_VERSION, **package_versions(domain)}
 
 
 def version_drift(attrs: dict, domain: str | None = None) -> list[str]:

@@ -1,0 +1,101 @@
+"""The folders are the architecture: imports go one way, and no module grows past a screenful of screens."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "stabstudy"
+MAX_LINES = 700
+
+#: Top-level modules every layer may import: the shared contract and small utilities.
+CORE = {"spec", "registry", "hparams", "paths", "seeding", "plots", "__init__"}
+
+#: Layer -> layers it may import (its own included). ``run`` orchestrates and may import anything.
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core", "interventions.perturb"},  # a RunSpec holds Perturbations
+    "instruments": {"core", "instruments"},
+    "interventions": {"core", "instruments", "interventions", "analysis.warning"},
+    "learners": {"core", "instruments", "interventions", "learners"},
+    "analysis": {"core", "analysis", "instruments", "interventions.perturb"},
+    "run": {"core", "instruments", "interventions", "learners", "analysis", "run"},
+    "__main__": {"run"},
+}
+
+
+def layer_of(module: str) -> str:
+    """``stabstudy.learners.rl.learner`` -> ``learners``; top-level modules -> ``core``."""
+    parts = module.split(".")[1:]
+    if len(parts) == 1:
+        return "__main__" if parts[0] == "__main__" else "core"
+    return parts[0]
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 2:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """Every ``stabstudy`` module imported by the file (also inside functions), with its line."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stabstudy"):
+            for alias in node.names:  # `from stabstudy.learners import toy` imports stabstudy.learners.toy
+                sub = f"{node.module}.{alias.name}"
+                out.append((node.lineno, sub if _is_module(sub) else node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("stabstudy")]
+    return out
+
+
+def _is_module(name: str) -> bool:
+    p = PKG.parent.joinpath(*name.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
+
+
+def permitted(src: str, dst: str) -> bool:
+    if dst == "stabstudy":
+        return True  # the package itself (its __version__)
+    allowed = ALLOWED[layer_of(src)]
+    dst_layer = layer_of(dst)
+    if dst_layer == "core":
+        return dst.split(".")[1] in CORE
+    rest = dst.split(".", 1)[1]
+    return dst_layer in allowed or any(rest == a or rest.startswith(a + ".") for a in allowed)
+
+
+FILES = sorted(PKG.rglob("*.py"))
+
+
+def test_every_module_belongs_to_a_known_layer():
+    for f in FILES:
+        assert layer_of(module_name(f)) in ALLOWED, f"{f.relative_to(PKG.parent)} is in no known layer"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_imports_follow_the_arrows(path):
+    src = module_name(path)
+    wrong = [f"line {line}: {dst}" for line, dst in imports(path) if not permitted(src, dst)]
+    assert not wrong, f"{src} ({layer_of(src)}) may import only {sorted(ALLOWED[layer_of(src)])}: {wrong}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))
+def test_modules_stay_small(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, f"{path.relative_to(PKG.parent)} has {n} lines (> {MAX_LINES}): split it by job"
+
+
+def test_the_arrow_check_can_fail():
+    assert not permitted("stabstudy.analysis.events", "stabstudy.learners.toy")
+    assert not permitted("stabstudy.instruments.curvature", "stabstudy.interventions.perturb")
+    assert not permitted("stabstudy.learners.toy", "stabstudy.run.store")
+    assert not permitted("stabstudy.spec", "stabstudy.learners.lm")
+    assert permitted("stabstudy.learners.toy", "stabstudy.instruments.curvature")
+    assert permitted("stabstudy.interventions.control", "stabstudy.analysis.warning.detectors")
+    assert not permitted("stabstudy.interventions.control", "stabstudy.analysis.studies.rl_comparison")
