@@ -106,6 +106,7 @@ from stabstudy.instruments.telemetry.channels import (
     gradient_coherence,
     previous_g2,
 )
+from stabstudy.instruments.telemetry.sink import WriterSink
 from stabstudy.instruments.telemetry.stats import OptState
 from stabstudy.instruments.telemetry.table import Block, HostCopies, LogStage, Table
 
@@ -125,6 +126,9 @@ class Monitor:
             on a ``layer`` dimension (one entry per parameter tensor).
         sync_every: rows per device block: the statistics stay on the parameters'
             device and are copied to the host once per this many rows (and when read).
+        writer: anything with ``add_scalar(tag, value, global_step)`` (TensorBoard's
+            ``SummaryWriter``): every channel goes to it as ``stability/<channel>`` at
+            ``global_step`` = the row, a block of rows at a time (:mod:`~stabstudy.instruments.telemetry.sink`).
 
     Adam channels are read from ``optimizer.state[p]["exp_avg"|"exp_avg_sq"|"step"]``
     (Adam, AdamW, and any optimizer storing the same keys) and are bias-corrected:
@@ -148,7 +152,7 @@ class Monitor:
     """
 
     def __init__(self, model: Any, optimizer: Any, *, every: int = 1, per_layer: bool = False,
-                 sync_every: int = 64):
+                 sync_every: int = 64, writer: Any = None):
         for name, v in (("every", every), ("sync_every", sync_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -186,6 +190,7 @@ class Monitor:
         self._logged: dict[str, Table] = {}  # logged scalars by name, in order of appearance
         self._copies = HostCopies()
         self._staged = LogStage(self._copies, self._put_logged, capacity=4 * sync_every)
+        self._sink = WriterSink(writer) if writer is not None else None
         self._layer_names: list[str] = []
         self._param_names: dict[int, str] = {}  # id(parameter) -> name in the model (per_layer)
         self._layer_index: dict[int, int] = {}
@@ -246,6 +251,8 @@ class Monitor:
     def close(self) -> None:
         """Remove the hooks and free the buffers (recorded data stays available)."""
         self._sync()
+        if self._sink is not None:
+            self._sink.finish(self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -337,6 +344,12 @@ class Monitor:
             coords["layer"] = ("layer", np.array(self._layer_names, dtype=str))
         return xr.Dataset(data_vars, coords=coords, attrs={"monitor_every": self.every})
 
+    def to_frame(self, *, dropna: bool = False):
+        """:meth:`to_dataset` as a long pandas DataFrame (step, channel, layer, value): see :func:`.frame.to_frame`."""
+        from stabstudy.instruments.telemetry.frame import to_frame
+
+        return to_frame(self.to_dataset(), dropna=dropna)
+
     def last_update(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """The update applied to ``params`` in the current row (copies shaped like
         the parameters), or None when it was not measured in this row (``every``)."""
@@ -377,6 +390,8 @@ class Monitor:
                 self._send(st.block, st.index)
         self._staged.send_all()
         self._copies.drain(wait=True)
+        if self._sink is not None:
+            self._sink.flush(self, self._step)
 
     def _send(self, blk: Block, i: int) -> None:
         """Start the copy of optimizer ``i``'s block rows to the host tables."""
@@ -388,6 +403,8 @@ class Monitor:
             D = a[:, :ND].astype(np.float64)
             canonical(D, self._host.a[base:base + n, i, :])
             self._dev.a[base:base + n, i, :] = D
+            if self._sink is not None:
+                self._sink.applied_to(i, base + n)
             for j, part in enumerate(LAYER_PARTS if L else ()):
                 tab = self._layers[part]
                 tab.grow(base + n - 1)
@@ -404,7 +421,11 @@ class Monitor:
         if blk is None or not blk.covers(s, need) or blk.t.device != device:
             if blk is not None and blk.dirty:
                 self._send(blk, st.index)
+            if self._sink is not None:
+                self._staged.send_all()  # the logged values of the rows the writer gets next
             self._copies.drain(wait=False)
+            if self._sink is not None and not self._copies.pending:  # rows before s are closed
+                self._sink.flush(self, s)
             if blk is None or blk.layers < need or blk.t.device != device:
                 L = len(self._layer_names) if self.per_layer else 0
                 blk = st.block = Block(device, self.sync_every, L)

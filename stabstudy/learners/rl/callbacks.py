@@ -148,15 +148,31 @@ class TelemetryCallback(RecorderCallback):
     Args:
         recorder: the shared :class:`Recorder` (None: a new one, :attr:`recorder`).
         every: the Monitor's ``every`` (costly channels every this many steps of each optimizer).
+        log_to_sb3: after each ``train()`` call, record the last update's channels in SB3's own
+            logger as ``stability/<channel>`` (NaN ones skipped), written by SB3 at its next dump
+            to every output format it has (``tensorboard_log=``, csv, stdout, ...).
         **monitor_kwargs: further :class:`~stabstudy.instruments.telemetry.Monitor` arguments
             (``per_layer``, ``backend``).
     """
 
-    def __init__(self, recorder: Recorder | None = None, every: int = 1, verbose: int = 0, **monitor_kwargs: Any):
+    def __init__(self, recorder: Recorder | None = None, every: int = 1, verbose: int = 0, log_to_sb3: bool = True,
+                 **monitor_kwargs: Any):
         super().__init__(recorder, verbose)
         self.every = every
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
+        if log_to_sb3:
+            self.recorder.on_train_end(self._record_in_sb3_logger, Recorder.DIAGNOSE)
+
+    def _record_in_sb3_logger(self, n: int) -> None:
+        # recorded per train() call and overwritten until SB3 dumps, as SB3 does with its own
+        # train/ values: the dump then shows the latest update beside them
+        mon = self.monitor
+        if mon is None or mon.step < 0:
+            return
+        for k, v in mon.row().items():
+            if v == v:
+                self.logger.record(f"stability/{k}", v)
 
     def _on_training_start(self) -> None:
         # here, not in _init_callback: SB3 initialises every callback of a CallbackList before it
