@@ -132,11 +132,19 @@ class Schedule:
         return tuple(p for p in self.perturbations if p.start == step and (kind is None or p.kind == kind))
 
     def lr_factor(self, step: int) -> float:
-        """Product of the doses of every active ``lr_spike`` (1.0 when none)."""
+        """Learning-rate factor at ``step``: the product of every active ``lr_spike``'s dose and every
+        started ``lr_ramp``'s ``dose ** (min(step - start + 1, duration) / duration)`` (1.0 when none).
+
+        A ramp keeps its final factor after its window, so ``perturbed`` (the window) marks the climb
+        only: a slow-onset disturbance that does not go away, unlike a spike.
+        """
         f = 1.0
         for p in self.active(step):
             if p.kind == "lr_spike":
                 f *= p.dose
+        for p in self.perturbations:
+            if p.kind == "lr_ramp" and step >= p.start:
+                f *= p.dose ** (min(step - p.start + 1, p.duration) / p.duration)
         return f
 
     def mask(self, steps: np.ndarray) -> np.ndarray:

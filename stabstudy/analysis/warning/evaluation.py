@@ -1,0 +1,519 @@
+"""A fair comparison of streaming detectors: one false-alarm budget, thresholds and choices made on
+runs not used for evaluation, lead times paired over the same events.
+
+Protocol (every step index below is an optimizer update):
+
+1. every detector of a :func:`suite` is fed each run step by step (:func:`score_runs`);
+2. its threshold is the lowest one whose alarms (up-crossings: the score rising above the
+   threshold) on the *calibration* null runs stay within ``budget`` per 1,000 steps
+   (:func:`calibrate`); the split is by seed, so no trajectory is used twice;
+3. on the *evaluation* runs, an event is detected when the first alarm falls in its warning
+   window ``[warn_from, onset + late]``, ``warn_from = max(onset - horizon, perturbation start)``
+   (an alarm before the perturbation cannot be a warning of what it causes; lead = onset - alarm
+   step, negative when late); false alarms are up-crossings in event-free steps (null runs, and
+   event runs before ``warn_from``), per 1,000 such steps; ROC-AUC compares the detector's largest
+   score over ``[warn_from, onset]`` with a window as long, ending at the median onset of the same
+   family's events, of each null run (:func:`window_max`, :func:`evaluate`);
+4. lead times of two detectors are compared over the same events with the Wilcoxon signed-rank
+   test, a missed event counting as the worst lead ``-(late + 1)`` (:func:`pairwise`).
+
+Steps before ``burn_in`` count for nothing (the loss falls fastest there).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+from tqdm.auto import tqdm
+
+from stabstudy.analysis.warning import detectors as D
+from stabstudy.analysis.warning import features as F
+from stabstudy.analysis.warning.metastate import MetaConfig, MetaState, PCAModel, fit_pca, replay
+
+#: Event family of a run by its perturbation kind (``none``: an unperturbed run).
+FAMILY: dict[str, str] = {"lr_ramp": "slow-onset", "lr_spike": "shock", "outlier_batch": "shock",
+                          "weight_noise": "shock", "reinit_layer": "shock", "loss_scale": "shock",
+                          "none": "spontaneous"}
+#: Meta-state statistics a suite can read (``meta:<stat>``).
+META_STATS = ("t2", "q", "coordination")
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """One row of the comparison: a ``name``, the ``feature`` it reads (``meta:<stat>`` for the
+    meta-state), its ``family`` (``performance``, ``single``, ``meta`` or ``knob-aware``) and a
+    factory of fresh :class:`stabstudy.analysis.warning.detectors.Detector` objects."""
+
+    name: str
+    feature: str
+    family: str
+    make: Callable[[], D.Detector] = field(compare=False, repr=False)
+
+
+def suite(kinds: Sequence[str], meta_features: Sequence[str], *, olmo_window: int = 128, window: int = 64,
+          ewma: float = 0.2, clip: float = 10.0, ews: tuple[int, int, int] = (20, 30, 40), river: bool = True,
+          lambda_max: bool = True) -> list[DetectorSpec]:
+    """The detectors compared in notebook 04, checked against the leakage guard for ``kinds``.
+
+    Args:
+        kinds: perturbation kinds present in the runs.
+        meta_features: the meta-state's features; each also gets a univariate twin (the same
+            robust z and EWMA, two-sided), so that "joint" is compared with "one channel, same chart".
+        olmo_window: OLMo-core's window (128).
+        window: trailing window of the robust z-scores.
+        ewma: EWMA factor of the twins (the meta-state's own is in its :class:`MetaConfig`).
+        clip: the twins' z clip (the meta-state's); the other robust z-scores are not clipped.
+        ews: ``(detrend, window, span)`` of the critical-slowing-down detectors.
+        river: include ADWIN and Page-Hinkley (imports ``river``).
+        lambda_max: include the knob-aware sharpness detector ``lambda_max * lr / 2``.
+    """
+    def robust(name, side, ewma_=1.0, clip_=math.inf):
+        return lambda: D.RobustZ(name, window=window, side=side, ewma=ewma_, clip=clip_)
+
+    # OLMo's z scores from 32 past values on (the window then fills up to 128), so that a short run
+    # is watched over the same steps as by the other detectors
+    specs = [
+        DetectorSpec("loss robust z (performance)", "loss", "performance", robust("loss_z", "up")),
+        DetectorSpec("OLMo z loss", "loss", "performance", lambda: D.WindowZ("olmo_loss", olmo_window)),
+        DetectorSpec("OLMo z grad_norm", "grad_norm", "single", lambda: D.WindowZ("olmo_grad", olmo_window)),
+        DetectorSpec("ZClip z grad_norm", "grad_norm", "single", lambda: D.ZClipZ("zclip")),
+        DetectorSpec("update-norm z", "update_norm/lr", "single", robust("update_z", "up")),
+        DetectorSpec("cos(update, -g) z", "update_grad_cos", "single", robust("cos_z", "down")),
+        DetectorSpec("xgrad z", "xgrad", "single", robust("xgrad_z", "down")),
+        DetectorSpec("attn_logit_max z", "attn_logit_max", "single", robust("attn_logit_z", "up")),
+        DetectorSpec("attn_entropy_min z", "attn_entropy_min", "single", robust("attn_entropy_z", "down")),
+    ]
+    d, w, s = ews
+    for ch, perf in (("loss", "performance"), ("grad_norm", "single")):
+        for ind in ("variance", "ac1"):
+            specs.append(DetectorSpec(f"EWS tau({ind}) {ch}", ch, perf,
+                                      lambda ind=ind: D.KendallEWS(f"ews_{ind}", ind, d, w, s)))
+    if river:
+        specs += [DetectorSpec("ADWIN grad_norm", "grad_norm", "single", lambda: D.ADWINGrid(window=window)),
+                  DetectorSpec("Page-Hinkley grad_norm", "grad_norm", "single", lambda: D.PageHinkley(window=window))]
+    if lambda_max:
+        specs.append(DetectorSpec("lambda_max vs 2/lr", "lambda_max*lr/2", "knob-aware",
+                                  lambda: D.Level("lambda_max_lr", threshold=1.0)))
+    for f in meta_features:
+        specs.append(DetectorSpec(f"EWMA z {f}", f, "single", robust(f"ewma_z_{f}", "both", ewma, clip)))
+    for stat in META_STATS:
+        specs.append(DetectorSpec(f"meta-state {stat}", f"meta:{stat}", "meta", lambda stat=stat: D.Level(stat)))
+    for sp in specs:
+        if not sp.feature.startswith("meta:"):
+            F.check([sp.feature], kinds, knob_aware=sp.family == "knob-aware")
+    F.check(meta_features, kinds)
+    return specs
+
+
+def _channels(ds: xr.Dataset, run: str, names: set[str]) -> dict[str, np.ndarray]:
+    return {c: np.asarray(ds[c].sel(run=run).values, dtype=float) for c in names if c in ds}
+
+
+def _needed(feats: Sequence[str]) -> set[str]:
+    out = set()
+    for f in feats:
+        out.update(F.DERIVED[f][:2] if f in F.DERIVED else (f,))
+    return out
+
+
+def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | None, config: MetaConfig,
+                 kinds: Sequence[str] = ()) -> xr.Dataset:
+    """The streaming :class:`MetaState` of every run: variables ``t2``, ``q``, ``coordination``,
+    ``eff_dim`` (dims run, step) and ``z`` (dims run, step, feature)."""
+    F.check(meta_features, kinds)
+    need = _needed(meta_features)
+    n_run, n_step = ds.sizes["run"], ds.sizes["step"]
+    out = {k: np.full((n_run, n_step), np.nan) for k in ("t2", "q", "coordination", "eff_dim")}
+    z = np.full((n_run, n_step, len(meta_features)), np.nan)
+    for i, run in enumerate(ds["run"].values):
+        x = F.matrix(_channels(ds, run, need), meta_features, kinds)
+        ms = MetaState(meta_features, pca, config, kinds)
+        for t in range(n_step):
+            r = ms.update(x[t])
+            out["t2"][i, t], out["q"][i, t], out["coordination"][i, t], out["eff_dim"][i, t] = r[:4]
+            z[i, t] = r.z
+    coords = {"run": ds["run"].values, "step": ds["step"].values, "feature": list(meta_features)}
+    return xr.Dataset({**{k: (("run", "step"), v) for k, v in out.items()}, "z": (("run", "step", "feature"), z)},
+                      coords=coords)
+
+
+def meta_replay(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | None, config: MetaConfig,
+                kinds: Sequence[str] = ()) -> xr.Dataset:
+    """:func:`meta_streams` computed with the vectorised :func:`replay` (equal to 1e-9, much faster):
+    for refits that repeat the meta-state over many runs."""
+    F.check(meta_features, kinds)
+    need = _needed(meta_features)
+    stats = ("t2", "q", "coordination", "eff_dim")
+    parts = [replay(F.matrix(_channels(ds, run, need), meta_features, kinds), pca, config) for run in ds["run"].values]
+    coords = {"run": ds["run"].values, "step": ds["step"].values, "feature": list(meta_features)}
+    return xr.Dataset({**{k: (("run", "step"), np.stack([p[k] for p in parts])) for k in stats},
+                       "z": (("run", "step", "feature"), np.stack([p["z"] for p in parts]))}, coords=coords)
+
+
+def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset | None = None,
+               progress: bool = True) -> xr.DataArray:
+    """Feed every run of ``ds`` (dims run, step) to a fresh detector of every spec, step by step.
+
+    ``meta``: :func:`meta_streams` of the same runs (needed by ``meta:`` specs). Returns the
+    scores, dims ``(detector, run, step)``.
+    """
+    feats = [s.feature for s in specs if not s.feature.startswith("meta:")]
+    need = _needed(feats)
+    out = np.full((len(specs), ds.sizes["run"], ds.sizes["step"]), np.nan)
+    runs = ds["run"].values
+    for i, run in enumerate(tqdm(runs, desc="detectors", disable=not progress)):
+        data = _channels(ds, run, need)
+        cols = {f: F.column(data, f) for f in set(feats) if _needed([f]) <= set(data)}
+        for j, sp in enumerate(specs):
+            if sp.feature.startswith("meta:"):
+                if meta is None:
+                    raise ValueError(f"{sp.name} reads the meta-state: pass meta=meta_streams(...)")
+                x = meta[sp.feature.split(":", 1)[1]].sel(run=run).values
+            elif sp.feature in cols:
+                x = cols[sp.feature]
+            else:
+                continue  # the runs do not record this channel: the detector stays NaN
+            det = sp.make()
+            out[j, i] = [det.update(v) for v in x]
+    return xr.DataArray(out, dims=("detector", "run", "step"),
+                        coords={"detector": [s.name for s in specs], "run": runs, "step": ds["step"].values})
+
+
+def run_info(ds: xr.Dataset, labels: pd.DataFrame, calibration_seeds: Sequence[int]) -> pd.DataFrame:
+    """One row per run (index run): ``seed, kind, dose, start, duration, family, event, onset, end``
+    (steps with a finite loss) and ``split`` (``calibration`` when the seed is in
+    ``calibration_seeds``, else ``evaluation``); ``labels`` from
+    :func:`stabstudy.analysis.warning.labels.label_runs`."""
+    rows = []
+    for run in ds["run"].values:
+        kind = str(ds["pert_kind"].sel(run=run).values)
+        loss = np.asarray(ds["loss"].sel(run=run).values, dtype=float)
+        fin = np.flatnonzero(np.isfinite(loss))
+        seed = int(ds["seed"].sel(run=run).values)
+        rows.append({"run": run, "seed": seed, "kind": kind, "dose": float(ds["pert_dose"].sel(run=run).values),
+                     "start": float(ds["pert_start"].sel(run=run).values),
+                     "duration": float(ds["pert_duration"].sel(run=run).values),
+                     "family": FAMILY.get(kind, "shock"), "event": bool(labels.loc[run, "event"]),
+                     "onset": int(labels.loc[run, "onset"]), "end": int(fin[-1] + 1) if fin.size else 0,
+                     "split": "calibration" if seed in set(calibration_seeds) else "evaluation"})
+    return pd.DataFrame(rows).set_index("run")
+
+
+def warn_from(x: pd.Series, horizon: int, burn_in: int) -> int:
+    """First step of an event's warning window: ``max(onset - horizon, perturbation start, burn_in)``."""
+    start = x.start if np.isfinite(x.start) else -np.inf
+    return int(max(x.onset - horizon, start, burn_in))
+
+
+def event_free(info: pd.DataFrame, burn_in: int, horizon: int) -> dict[str, tuple[int, int]]:
+    """Run -> the event-free step interval ``[a, b)``: a null run from ``burn_in`` to its end, an
+    event run from ``burn_in`` to its :func:`warn_from`."""
+    return {r: (burn_in, warn_from(x, horizon, burn_in) if x.event else int(x.end)) for r, x in info.iterrows()}
+
+
+def _pairs(scores: np.ndarray, segments: dict[int, tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(lo, hi) of every masked step (an up-crossing over theta iff lo <= theta < hi) and the step count."""
+    los, his, n = [], [], 0
+    for i, (a, b) in segments.items():
+        if b <= a:
+            continue
+        s = scores[i, a:b]
+        prev = np.concatenate([[-np.inf], s[:-1]])
+        prev = np.where(np.isfinite(prev) | (prev == np.inf), prev, -np.inf)
+        ok = ~np.isnan(s)
+        los.append(prev[ok])
+        his.append(s[ok])
+        n += b - a
+    if not los:
+        return np.empty(0), np.empty(0), 0
+    return np.concatenate(los), np.concatenate(his), n
+
+
+def count_alarms(scores: np.ndarray, threshold: float, segments: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """Up-crossings of ``threshold`` and steps, over ``segments`` (row of ``scores`` (run, step) ->
+    ``[a, b)``); the first step of a segment counts as an up-crossing when above."""
+    lo, hi, n = _pairs(scores, segments)
+    return int(np.count_nonzero((lo <= threshold) & (hi > threshold))), n
+
+
+def time_in_alarm(scores: np.ndarray, threshold: float, segments: dict[int, tuple[int, int]]) -> float:
+    """Share of the steps of ``segments`` whose score exceeds ``threshold``: an alarm that stays on
+    for long counts once in :func:`count_alarms`, and this says for how long."""
+    _, hi, n = _pairs(scores, segments)
+    return float(np.count_nonzero(hi > threshold) / n) if n else np.nan
+
+
+def calibrate(scores: np.ndarray, segments: dict[int, tuple[int, int]], budget: float = 1.0) -> float:
+    """The lowest threshold whose up-crossings over ``segments`` are at most ``budget`` per 1,000
+    steps, at that threshold and every higher one (inf when the detector never scores)."""
+    lo, hi, n = _pairs(scores, segments)
+    seen = hi[np.isfinite(hi)]
+    keep = lo < hi
+    lo, hi = np.sort(lo[keep]), np.sort(hi[keep])
+    if hi.size == 0:  # the score never rises: no threshold can alarm here; the highest value seen is safe
+        return float(seen.max()) if seen.size else np.inf
+    cand = np.unique(np.concatenate([lo[np.isfinite(lo)], hi[np.isfinite(hi)]]))
+    counts = np.searchsorted(lo, cand, side="right") - np.searchsorted(hi, cand, side="right")
+    bad = np.flatnonzero(counts > budget * n / 1000.0)
+    if not bad.size:
+        return float(cand[0])
+    return float(cand[bad[-1] + 1]) if bad[-1] + 1 < cand.size else np.inf
+
+
+def first_alarm(s: np.ndarray, threshold: float, a: int, b: int) -> int:
+    """First step in ``[a, b]`` whose score exceeds ``threshold``, or -1."""
+    a = max(a, 0)
+    hit = np.flatnonzero(s[a:b + 1] > threshold)
+    return int(a + hit[0]) if hit.size else -1
+
+
+def leads(scores: xr.DataArray, info: pd.DataFrame, thresholds: pd.Series, *, horizon: int, late: int,
+          burn_in: int) -> pd.DataFrame:
+    """Lead time (onset - first alarm in ``[warn_from, onset + late]``, NaN when missed) of every
+    detector (columns) on every event run of ``info`` (rows)."""
+    ev = info[info.event]
+    out = pd.DataFrame(np.nan, index=ev.index, columns=scores["detector"].values)
+    for det in out.columns:
+        s = scores.sel(detector=det)
+        for run, x in ev.iterrows():
+            t = first_alarm(s.sel(run=run).values, thresholds[det], warn_from(x, horizon, burn_in), x.onset + late)
+            if t >= 0:
+                out.loc[run, det] = x.onset - t
+    return out
+
+
+def penalised(lead: pd.DataFrame, late: int) -> pd.DataFrame:
+    """Leads with a missed event scored as ``-(late + 1)``, worse than any detection (for paired ranks)."""
+    return lead.fillna(-(late + 1.0))
+
+
+def _median_ci(x: np.ndarray, n_boot: int, seed: int) -> tuple[float, float, float]:
+    from scipy import stats as sps
+
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return np.nan, np.nan, np.nan
+    if x.size < 2 or np.ptp(x) == 0:
+        return float(np.median(x)), float(np.median(x)), float(np.median(x))
+    res = sps.bootstrap((x,), np.median, n_resamples=n_boot, method="percentile", vectorized=True,
+                        random_state=np.random.default_rng(seed))
+    return float(np.median(x)), float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def auc_pairs(pos: np.ndarray, neg: np.ndarray, axis: int = -1) -> np.ndarray:
+    """ROC-AUC as the Mann-Whitney probability ``P(pos > neg) + P(pos = neg) / 2`` along ``axis``
+    (vectorised over resamples; equal to scikit-learn's ``roc_auc_score``)."""
+    p = np.moveaxis(np.asarray(pos, dtype=float), axis, -1)[..., :, None]
+    n = np.moveaxis(np.asarray(neg, dtype=float), axis, -1)[..., None, :]
+    return (p > n).mean(axis=(-1, -2)) + 0.5 * (p == n).mean(axis=(-1, -2))
+
+
+def auc(pos: np.ndarray, neg: np.ndarray, n_boot: int, seed: int) -> tuple[float, float, float]:
+    """ROC-AUC (scikit-learn) of window scores ``pos`` (events) against ``neg`` (nulls), with a
+    percentile bootstrap interval resampling each group; NaNs dropped, NaN when a group is empty."""
+    from scipy import stats as sps
+    from sklearn.metrics import roc_auc_score
+
+    pos, neg = pos[np.isfinite(pos) | (pos == np.inf)], neg[np.isfinite(neg) | (neg == np.inf)]
+    if pos.size == 0 or neg.size == 0:
+        return np.nan, np.nan, np.nan
+    value = float(roc_auc_score(np.r_[np.ones(pos.size), np.zeros(neg.size)],
+                                np.nan_to_num(np.r_[pos, neg], posinf=np.finfo(float).max)))
+    if pos.size < 2 or neg.size < 2 or np.ptp(np.r_[pos, neg]) == 0:
+        return value, value, value
+    res = sps.bootstrap((pos, neg), auc_pairs, n_resamples=n_boot, method="percentile", vectorized=True,
+                        random_state=np.random.default_rng(seed))
+    return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def window_max(scores: xr.DataArray, info: pd.DataFrame, horizon: int, burn_in: int,
+               events: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Largest score of each detector (columns) over ``[warn_from, onset]`` of each event run and over
+    a window as long as the median of those, ending at their median onset, of each null run (rows).
+
+    ``events`` (default: the event runs of ``info``) sets the null windows' position, so that a
+    family's events are compared with null runs at the same point of training (a shock's window
+    with the same steps of runs whose shock did not collapse them).
+    """
+    ev = info[info.event] if events is None else events
+    t0 = int(np.median(ev.onset)) if len(ev) else int(info.end.median()) - 1
+    span = int(np.median([x.onset - warn_from(x, horizon, burn_in) for _, x in ev.iterrows()])) if len(ev) else horizon
+    out = pd.DataFrame(np.nan, index=info.index, columns=scores["detector"].values)
+    vals = scores.transpose("run", "detector", "step").sel(run=info.index.values).values
+    for i, (run, x) in enumerate(info.iterrows()):
+        end = int(x.onset) if x.event else min(t0, int(x.end) - 1)
+        a = warn_from(x, horizon, burn_in) if x.event else max(end - span, burn_in)
+        w = vals[i, :, a:end + 1]
+        if w.shape[1]:
+            seen = ~np.isnan(w)
+            out.loc[run] = np.where(seen.any(axis=1), np.where(seen, w, -np.inf).max(axis=1), np.nan)
+    return out
+
+
+@dataclass
+class Evaluation:
+    """What :func:`evaluate` returns: ``thresholds`` (detector -> calibrated threshold), ``table``
+    (one row per detector and event family), ``leads`` (evaluation event runs x detectors, NaN
+    when missed), ``fa_runs`` (evaluation null runs x detectors: false alarms per 1,000 steps),
+    ``windows`` (event family -> :func:`window_max` of the evaluation runs for that family)."""
+
+    thresholds: pd.Series
+    table: pd.DataFrame
+    leads: pd.DataFrame
+    fa_runs: pd.DataFrame
+    windows: dict[str, pd.DataFrame]
+
+
+def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorSpec], *, budget: float = 1.0,
+             horizon: int = 100, late: int = 20, burn_in: int = 50, n_boot: int = 1000, seed: int = 0,
+             thresholds: pd.Series | None = None) -> Evaluation:
+    """Calibrate on the calibration nulls (unless ``thresholds`` are given), then score the
+    evaluation runs (module docstring). ``table`` columns: ``detector, family`` (of the detector),
+    ``events`` (event family), ``n_events, n_detected, rate, rate_lo, rate_hi`` (Clopper-Pearson),
+    ``lead_median, lead_lo, lead_hi`` (bootstrap over detected events), ``fa_per_1k`` (evaluation
+    event-free steps), ``in_alarm`` (share of those steps above the threshold), ``auc, auc_lo,
+    auc_hi``, ``threshold``."""
+    from stabstudy.analysis.claims import rate_ci
+
+    runs = list(scores["run"].values)
+    row = {r: i for i, r in enumerate(runs)}
+    cal = info[(info.split == "calibration") & ~info.event]
+    ev_info = info[info.split == "evaluation"]
+    free = event_free(ev_info, burn_in, horizon)
+    if thresholds is None:
+        segs = {row[r]: ab for r, ab in event_free(cal, burn_in, horizon).items()}
+        thresholds = pd.Series({d: calibrate(scores.sel(detector=d).values, segs, budget)
+                                for d in scores["detector"].values})
+    lead = leads(scores, ev_info, thresholds, horizon=horizon, late=late, burn_in=burn_in)
+    nulls = ev_info[~ev_info.event]
+    fa_runs = pd.DataFrame(np.nan, index=nulls.index, columns=scores["detector"].values)
+    win = {}
+    kind_of = {s.name: s.family for s in specs}
+    rows = []
+    for k, det in enumerate(scores["detector"].values):
+        s = scores.sel(detector=det).values
+        segs = {row[r]: ab for r, ab in free.items()}
+        n_fa, n_steps = count_alarms(s, thresholds[det], segs)
+        on = time_in_alarm(s, thresholds[det], segs)
+        for r in nulls.index:
+            c, n = count_alarms(s, thresholds[det], {row[r]: free[r]})
+            fa_runs.loc[r, det] = 1000.0 * c / n if n else np.nan
+        for fam in ["all", *sorted(ev_info[ev_info.event].family.unique())]:
+            evs = ev_info[ev_info.event & ((ev_info.family == fam) | (fam == "all"))]
+            if fam not in win:
+                win[fam] = window_max(scores, ev_info, horizon, burn_in, events=evs)
+            ld = lead.loc[evs.index, det].to_numpy(float)
+            hit = int(np.isfinite(ld).sum())
+            lo, hi = rate_ci(hit, len(evs))
+            med, mlo, mhi = _median_ci(ld, n_boot, seed + k)
+            a, alo, ahi = auc(win[fam].loc[evs.index, det].to_numpy(float), win[fam].loc[nulls.index, det].to_numpy(float),
+                              n_boot, seed + k)
+            rows.append({"detector": det, "family": kind_of.get(det, ""), "events": fam, "n_events": len(evs),
+                         "n_detected": hit, "rate": hit / len(evs) if len(evs) else np.nan, "rate_lo": lo,
+                         "rate_hi": hi, "lead_median": med, "lead_lo": mlo, "lead_hi": mhi,
+                         "fa_per_1k": 1000.0 * n_fa / n_steps if n_steps else np.nan, "in_alarm": on,
+                         "auc": a, "auc_lo": alo,
+                         "auc_hi": ahi, "threshold": thresholds[det]})
+    return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win)
+
+
+def best(lead: pd.DataFrame, candidates: Sequence[str], late: int) -> str:
+    """The candidate with the largest mean penalised lead (:func:`penalised`) over the events of ``lead``;
+    ties broken by the order of ``candidates``."""
+    if lead.empty:
+        return candidates[0]
+    m = penalised(lead[list(candidates)], late).mean()
+    return str(m.idxmax())
+
+
+def pairwise(lead: pd.DataFrame, reference: Sequence[str], late: int, alpha: float = 0.05) -> pd.DataFrame:
+    """Two-sided Wilcoxon signed-rank tests of penalised leads, each ``reference`` detector against
+    every other detector over the same events; Holm-adjusted (statsmodels) across all rows.
+
+    Columns: ``a, b, n, median_diff`` (a - b, steps), ``p``, ``p_holm``, ``a_earlier`` (median > 0 and
+    p_holm < alpha)."""
+    from scipy import stats as sps
+    from statsmodels.stats.multitest import multipletests
+
+    pen = penalised(lead, late)
+    rows = []
+    for a in reference:
+        for b in pen.columns:
+            if b == a:
+                continue
+            d = (pen[a] - pen[b]).to_numpy(float)
+            p = float(sps.wilcoxon(d).pvalue) if np.any(d != 0) and d.size >= 2 else 1.0
+            rows.append({"a": a, "b": b, "n": d.size, "median_diff": float(np.median(d)) if d.size else np.nan, "p": p})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    out["p_holm"] = multipletests(out.p.to_numpy(), alpha=alpha, method="holm")[1]
+    out["a_earlier"] = (out.median_diff > 0) & (out.p_holm < alpha)
+    return out
+
+
+def in_control_rows(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[str], config: MetaConfig,
+                    kinds: Sequence[str], burn_in: int, horizon: int) -> np.ndarray:
+    """Smoothed z rows (shape (row, feature)) of the in-control steps of the runs of ``info``:
+    from ``burn_in`` to the first of the perturbation start, ``onset - horizon`` and the run's end."""
+    need = _needed(meta_features)
+    rows = []
+    for run, x in info.iterrows():
+        stop = int(x.end)
+        if np.isfinite(x.start):
+            stop = min(stop, int(x.start))
+        if x.event:
+            stop = min(stop, int(x.onset - horizon))
+        if stop <= burn_in:
+            continue
+        zs = replay(F.matrix(_channels(ds, run, need), meta_features, kinds), None, config)["zs"]
+        rows.append(zs[burn_in:stop])
+    return np.concatenate(rows) if rows else np.empty((0, len(meta_features)))
+
+
+def fit_meta(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[str], config: MetaConfig,
+             kinds: Sequence[str], burn_in: int, horizon: int, n_components: int | float = 0.9) -> PCAModel:
+    """:func:`stabstudy.analysis.warning.metastate.fit_pca` on :func:`in_control_rows` of ``info``'s runs."""
+    z = in_control_rows(ds, info, meta_features, config, kinds, burn_in, horizon)
+    return fit_pca(z, meta_features, n_components)
+
+
+def ews_reference(x: np.ndarray, indicator: str, detrend: int, window: int, span: int) -> np.ndarray:
+    """The critical-slowing-down score of :class:`stabstudy.analysis.warning.detectors.KendallEWS`
+    computed with ``ewstools`` on a whole series ``x`` (shape (step,)): the same causal residuals,
+    ewstools' rolling variance / lag-1 autocorrelation (trailing windows, so causal), and at each step
+    ewstools' Kendall tau of the last ``span`` indicator values. Slow (one ewstools call per step):
+    the reference the streaming detector is checked against.
+    """
+    import ewstools
+
+    x = np.asarray(x, dtype=float)
+    n = x.size
+    res = np.full(n, np.nan)
+    for t in range(detrend, n):
+        past = x[t - detrend:t]
+        if np.isfinite(past).all() and np.isfinite(x[t]):
+            res[t] = x[t] - past.mean()
+    ts = ewstools.TimeSeries(pd.Series(res, index=pd.RangeIndex(n, name="time")))
+    if indicator == "variance":
+        ts.compute_var(rolling_window=window)
+        col = "variance"
+    elif indicator == "ac1":
+        ts.compute_auto(rolling_window=window, lag=1)
+        col = "ac1"
+    else:
+        raise ValueError(f"unknown indicator {indicator!r}; valid: variance, ac1")
+    ind = ts.ews[col].to_numpy(float)
+    out = np.full(n, np.nan)
+    for t in range(span - 1, n):
+        w = ind[t - span + 1:t + 1]
+        if np.isfinite(w).all() and np.ptp(w) > 0:
+            ts.ktau = {}
+            ts.compute_ktau(tmin=t - span + 1, tmax=t)
+            out[t] = ts.ktau[col]
+    return out

@@ -1,0 +1,149 @@
+"""Collapse labels computed from performance alone.
+
+An *event* is the training (or validation) loss leaving a robust band around its own
+trailing level and staying out: at step ``t`` the band is ``median(past) + max(k * sigma,
+min_excess)``, with ``median`` and ``sigma = 1.4826 * MAD`` over the ``window`` measurements
+before ``t`` (causal, the value at ``t`` excluded); the onset is the first ``t`` whose value is
+above its band while at least ``frac`` of the ``persist`` measurements from ``t`` on stay above
+that same (frozen) band. A non-finite loss counts as out of the band, and so does every step
+after the end of a diverged run. A run with no such ``t`` gets the null label.
+
+Only the named performance channel (and the run's ``status``) is read: the label never sees a
+telemetry channel, so no detector can be favoured by sharing inputs with its own target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+#: Performance channels a label may read -> whether higher values are worse (a loss) or better.
+PERFORMANCE: dict[str, bool] = {"loss": True, "ce_loss": True, "val_loss": True, "perf": False}
+
+
+@dataclass(frozen=True)
+class LabelRule:
+    """Parameters of the performance label (module docstring).
+
+    Attributes:
+        channel: one of :data:`PERFORMANCE`.
+        window: measurements in the trailing band.
+        k: band half-width in robust standard deviations (1.4826 MAD).
+        min_excess: smallest band half-width, in the channel's units (a loss that barely
+            fluctuates must still rise this much to count).
+        persist: measurements, from the onset on, over which the value must stay out.
+        frac: share of those ``persist`` measurements that must be out (noise may dip back in).
+        burn_in: no onset before this step (the loss falls fastest at the start).
+    """
+
+    channel: str = "loss"
+    window: int = 50
+    k: float = 6.0
+    min_excess: float = 0.3
+    persist: int = 20
+    frac: float = 0.8
+    burn_in: int = 50
+
+    def __post_init__(self) -> None:
+        if self.channel not in PERFORMANCE:
+            raise ValueError(f"a label reads performance only; {self.channel!r} is not one of "
+                             f"{', '.join(PERFORMANCE)}")
+        if self.window < 3 or self.persist < 1 or not 0 < self.frac <= 1 or self.k <= 0:
+            raise ValueError(f"invalid label rule {self}: window >= 3, persist >= 1, 0 < frac <= 1, k > 0")
+
+
+def band(values: np.ndarray, window: int, k: float, min_excess: float) -> tuple[np.ndarray, np.ndarray]:
+    """Causal robust band of a 1-D series (shape (n,)): ``(level, upper)``, each shape (n,).
+
+    ``level[t]`` is the median of the finite values among ``values[t - window:t]`` and
+    ``upper[t] = level[t] + max(k * 1.4826 * MAD, min_excess)``; NaN where fewer than
+    ``window // 2`` past values are finite.
+    """
+    x = np.asarray(values, dtype=float)
+    n = x.size
+    padded = np.concatenate([np.full(window, np.nan), np.where(np.isfinite(x), x, np.nan)])
+    past = np.lib.stride_tricks.sliding_window_view(padded[:-1], window)[:n]  # row t = x[t-window:t]
+    enough = np.isfinite(past).sum(axis=1) >= max(window // 2, 2)
+    level = np.full(n, np.nan)
+    upper = np.full(n, np.nan)
+    if enough.any():
+        p = past[enough]
+        med = np.nanmedian(p, axis=1)
+        mad = np.nanmedian(np.abs(p - med[:, None]), axis=1)
+        level[enough] = med
+        upper[enough] = med + np.maximum(k * 1.4826 * mad, min_excess)
+    return level, upper
+
+
+def onset(values: np.ndarray, rule: LabelRule, diverged: bool = False, steps: np.ndarray | None = None,
+          ) -> tuple[int, float, float]:
+    """Index of the first collapse in a 1-D series of measurements (shape (n,)), or -1.
+
+    ``values`` are oriented so that higher is worse. ``steps`` (shape (n,)) gives each
+    measurement's step for the burn-in (default: its index). Returns ``(index, level,
+    excess)``: the band's level at the onset and the largest excess over it within the
+    persistence window (inf when the run diverged), NaN for the null label.
+    """
+    x = np.asarray(values, dtype=float)
+    n = x.size
+    st = np.arange(n) if steps is None else np.asarray(steps)
+    level, upper = band(x, rule.window, rule.k, rule.min_excess)
+    bad = ~np.isfinite(x)
+    out = bad | (x > upper)
+    for t in np.flatnonzero(out & np.isfinite(upper) & (st >= rule.burn_in)):
+        seg = x[t:t + rule.persist]
+        above = ~np.isfinite(seg) | (seg > upper[t])
+        missing = rule.persist - seg.size  # the run ended inside the window
+        if missing and not diverged:
+            continue  # cannot tell whether it stayed out: no label there
+        n_out = int(above.sum()) + missing
+        if n_out >= rule.frac * rule.persist:
+            excess = np.inf if (diverged and (missing or (~np.isfinite(seg)).any())) else float(np.nanmax(seg) - level[t])
+            return int(t), float(level[t]), excess
+    return -1, np.nan, np.nan
+
+
+def label_run(ds: xr.Dataset, rule: LabelRule) -> dict[str, float | int | bool]:
+    """Label one run (a Dataset with dimension ``step``): ``event``, ``onset`` (step, -1 for the
+    null label), ``level``, ``excess``. Reads ``rule.channel`` and ``attrs``/coordinate
+    ``status`` only."""
+    status = str(ds.attrs.get("status", ds.coords["status"].values if "status" in ds.coords else "ok"))
+    y = np.asarray(ds[rule.channel].values, dtype=float)
+    steps = np.asarray(ds["step"].values)
+    if not PERFORMANCE[rule.channel]:
+        y = -y
+    finite = np.flatnonzero(np.isfinite(y))
+    diverged = status == "diverged"
+    if finite.size == 0:
+        return {"event": diverged, "onset": int(steps[0]) if diverged else -1, "level": np.nan,
+                "excess": np.inf if diverged else np.nan}
+    # a sparse channel (val_loss) is labelled on its measurements; a diverged run keeps its last
+    # (non-finite) loss as the break
+    last = finite[-1]
+    keep = finite
+    if diverged:
+        after = np.flatnonzero(~np.isfinite(y[last + 1:]))
+        if after.size:
+            keep = np.append(finite, last + 1 + after[0])
+    i, level, excess = onset(y[keep], rule, diverged=diverged, steps=steps[keep])
+    return {"event": i >= 0, "onset": int(steps[keep][i]) if i >= 0 else -1, "level": level, "excess": excess}
+
+
+def label_runs(ds: xr.Dataset, rule: LabelRule | None = None) -> pd.DataFrame:
+    """:func:`label_run` for every run of a ``(run, step)`` Dataset (:func:`stabstudy.run.store.load_runs`).
+
+    Returns one row per run (index ``run``): ``event`` (bool), ``onset`` (step, -1 when none),
+    ``level``, ``excess``. A NaN-padded tail (a run shorter than the longest) is not data: it is
+    cut at the run's last finite value before labelling, except that a diverged run keeps
+    its first non-finite value as the break.
+    """
+    rule = rule or LabelRule()
+    rows = []
+    for run in ds["run"].values:
+        one = ds[[rule.channel]].sel(run=run)
+        one.attrs["status"] = str(ds["status"].sel(run=run).values) if "status" in ds.coords else "ok"
+        rows.append({"run": run, **label_run(one, rule)})
+    return pd.DataFrame(rows).set_index("run")
