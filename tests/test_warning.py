@@ -337,3 +337,55 @@ def test_grid_shares_notebook_02_runs():
     theirs = lm_spikes.spike_grid(300, 150, seeds=(0, 1), events={"lr_spike": (10.0, 3), "outlier_batch": (1.0, 1)}, **hp)
     assert set(theirs) <= set(ours) and len(ours) == 8
     assert meta_state.kinds_of(ours) == ("lr_ramp", "lr_spike", "outlier_batch")
+
+
+# -- the claims of notebook 04 ----------------------------------------------------------------------
+
+
+def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, n_null: int = 8):
+    """A MetaStudy holding only what ``claims`` reads: slow-onset events with the given leads (plus
+    noise), null runs with ``fa`` false alarms per 1,000 steps (plus noise)."""
+    from stabstudy.analysis.studies import meta_state
+
+    rng = np.random.default_rng(0)
+    ev = [f"e{i}" for i in range(n_events)]
+    nulls = [f"n{i}" for i in range(n_null)]
+    info = pd.DataFrame({"family": "slow-onset", "event": [True] * n_events + [False] * n_null,
+                         "split": "evaluation"}, index=ev + nulls)
+    leads = pd.DataFrame({"meta-state t2": meta_lead + rng.normal(0, 2, n_events),
+                          "EWMA z x": single_lead + rng.normal(0, 2, n_events)}, index=ev)
+    fa_runs = pd.DataFrame({"meta-state t2": np.clip(fa + rng.normal(0, 0.3, n_null), 0, None)}, index=nulls)
+    evaluation = E.Evaluation(pd.Series(dtype=float), pd.DataFrame(), leads, fa_runs, {})
+    best_meta = {"all": "meta-state t2", "slow-onset": "meta-state t2"}
+    best_single = {"all": "EWMA z x", "slow-onset": "EWMA z x"}
+    return meta_state.MetaStudy(info, None, None, None, [], evaluation, leads, best_single, best_meta,
+                                pd.DataFrame(), pd.DataFrame(), {"late": 20, "budget": 1.0})
+
+
+def _verdicts(study) -> dict[str, str]:
+    from stabstudy.analysis import claims as C
+    from stabstudy.analysis.studies import meta_state
+
+    df = C.table(meta_state.claims(study))
+    assert df.claim.is_unique
+    return dict(zip(df.claim, df.verdict, strict=True))
+
+
+def _pick(v: dict[str, str], *parts: str) -> str:
+    hits = [k for k in v if all(p in k for p in parts)]
+    assert len(hits) == 1, (parts, list(v))
+    return v[hits[0]]
+
+
+def test_meta_state_claims_pass_fail_and_go_untested():
+    earlier, before, quiet = "earlier than the best single channel", "deviates before performance", "stays quiet"
+    good = _verdicts(_study(meta_lead=30, single_lead=5, fa=0.0))
+    assert _pick(good, earlier, "slow-onset") == "supported"
+    assert _pick(good, before, "slow-onset") == "supported"
+    assert _pick(good, quiet) == "supported"
+    assert _pick(good, earlier, "(shock events)") == _pick(good, earlier, "spontaneous") == "not tested"
+    bad = _verdicts(_study(meta_lead=-5, single_lead=20, fa=5.0))
+    assert _pick(bad, earlier, "slow-onset") == _pick(bad, before, "slow-onset") == "not supported"
+    assert _pick(bad, quiet) == "not supported"
+    empty = _verdicts(_study(meta_lead=0, single_lead=0, fa=0.0, n_events=0, n_null=0))
+    assert set(empty.values()) <= {"not tested", "inconclusive"}
