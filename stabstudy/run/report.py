@@ -123,6 +123,7 @@ def publish(profile: str = "quick") -> list[Path]:
     from stabstudy.run.store import git_commit
 
     executed = _executed(profile)
+    commit = git_commit()  # before the old results go: removing tracked files would read as +dirty
     out = paths.results_dir(profile)
     if out.exists():
         shutil.rmtree(out)  # a notebook removed since must not leave its old page behind
@@ -144,7 +145,7 @@ def publish(profile: str = "quick") -> list[Path]:
         "every verdict is computed by the rules in `stabstudy/analysis/claims.py` "
         "(supported / not supported / inconclusive / not tested; p-values Holm-adjusted within each notebook).",
         "",
-        f"- profile: `{profile}`; code: commit `{git_commit()}`",
+        f"- profile: `{profile}`; code: commit `{commit}`",
         f"- machine: {_machine()}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"- study finished: {max(ends) if any(ends) else 'unknown'}",
@@ -158,7 +159,7 @@ def publish(profile: str = "quick") -> list[Path]:
         "",
     ]
     (out / "CLAIMS.md").write_text("\n".join(head))
-    manifest = {"profile": profile, "commit": git_commit(), "sources": source_hashes()}
+    manifest = {"profile": profile, "commit": commit, "sources": source_hashes()}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return sorted(p for p in out.rglob("*") if p.is_file())
 
