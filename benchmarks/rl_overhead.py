@@ -13,6 +13,12 @@ time per variant, training throughput (gradient updates/s and env steps/s):
 Evaluation episodes are excluded (they are a measurement, not overhead: the
 plain SB3 script would evaluate too). Target: overhead <= 5 %.
 
+Forks (``stabstudy.learners.rl.forks``): the cost of storing and of restoring one checkpoint
+with a full replay buffer of ``--checkpoint-buffer`` transitions (default: the quick profile's
+SAC/TD3 prefix), in milliseconds and in training steps (one env step with its gradient update,
+``callback`` variant): save = snapshot + atomic write with its SHA-256; load = read, verify the
+SHA-256, restore model, buffer, env and generators.
+
     OMP_NUM_THREADS=1 python benchmarks/rl_overhead.py [--algo sac] [--env HalfCheetah-v5] [--steps 1500]
 """
 
@@ -20,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
+import numpy as np
 import torch
 
+from stabstudy.learners.rl import forks
 from stabstudy.learners.rl import learner as rl
 from stabstudy.registry import ON_POLICY
 from stabstudy.spec import RunSpec
@@ -41,6 +51,39 @@ def one(spec: RunSpec, variant: str) -> tuple[float, int | None]:
     return dt, rec.n_updates if rec is not None else None
 
 
+def checkpoint_cost(spec: RunSpec, buffer: int, repeats: int) -> tuple[float, float, int]:
+    """Median seconds to save and to load a checkpoint of ``spec``'s model with a full replay buffer of
+    ``buffer`` transitions (filled with random ones after a short training), and its size in bytes."""
+    spec = spec.replace(steps=buffer, hparams={"buffer_size": buffer, "prefix_steps": buffer})
+    model = rl.build_model(spec)
+    model.learn(min(spec.steps, 300))
+    rb = getattr(model, "replay_buffer", None)
+    if rb is not None:  # the rest of a prefix's transitions: only their size matters here
+        rng = np.random.default_rng(0)
+        for k in forks.BUFFER_ARRAYS:
+            arr = getattr(rb, k)
+            arr[:] = rng.standard_normal(arr.shape).astype(arr.dtype)
+        rb.pos, rb.full = 0, True
+    saves, loads, size = [], [], 0
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        extra = {"n_updates": 0, "train_calls": 0, "diag_rng": None}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            blob = forks.snapshot(model, extra)
+            forks.write_checkpoint(spec.spec_hash, blob, {}, root)
+            saves.append(time.perf_counter() - t0)
+            size = len(blob)
+            t0 = time.perf_counter()
+            data, _ = forks.read_checkpoint(spec.spec_hash, root)
+            restored, _ = forks.restore(data, rl.ALGO_CLASSES[spec.learner], rl.make_env(spec.task, seed=spec.seed),
+                                        buffer)
+            loads.append(time.perf_counter() - t0)
+            restored.env.close()
+    model.env.close()
+    return statistics.median(saves), statistics.median(loads), size
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--algo", default="sac", choices=rl.ALGOS)
@@ -50,6 +93,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=0, help="0: the algorithm's default")
     ap.add_argument("--monitor-every", type=int, default=1)
+    ap.add_argument("--checkpoint-buffer", type=int, default=60000,
+                    help="replay transitions in the checkpoint (0: skip the checkpoint benchmark)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -79,6 +124,12 @@ def main() -> None:
         print(f"{v:<12} {m:8.2f} {updates / m:10.1f} {args.steps / m:12.1f} {100 * (m / base - 1):8.1f}%")
     ratio = statistics.median(times["callback"]) / base
     print(f"callback / plain = {ratio:.3f} (target <= 1.05)")
+    if args.checkpoint_buffer:
+        step = statistics.median(times["callback"]) / args.steps
+        save, load, size = checkpoint_cost(spec, args.checkpoint_buffer, args.repeats)
+        print(f"checkpoint with {args.checkpoint_buffer} replay transitions ({size / 2**20:.1f} MiB): "
+              f"save {1e3 * save:.0f} ms = {save / step:.0f} training steps, "
+              f"load {1e3 * load:.0f} ms = {load / step:.0f} training steps (one step {1e3 * step:.2f} ms)")
 
 
 if __name__ == "__main__":

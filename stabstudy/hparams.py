@@ -189,6 +189,8 @@ class RLCommon:
     """off-policy: read algorithm diagnostics every this many train calls"""
     diverge_threshold: float = 1e8
     """a loss, gradient norm, Q value or return above this counts as diverged"""
+    normalize_obs: bool = False
+    """normalise observations by their running mean and std (SB3 VecNormalize; rewards stay raw)"""
     prefix_steps: int = 0
     """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
     noise_after_fork: float | Literal["same"] = "same"

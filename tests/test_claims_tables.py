@@ -96,7 +96,7 @@ def _noise(buffers: bool, n: int = 12) -> pd.DataFrame:
         for j, val in enumerate(values):
             for i in range(n):
                 s = 0.2 + 0.3 * j + 0.01 * i
-                rows.append({"learner": a, knob: val, "stability": s if buffers else 1 - s})
+                rows.append({"learner": a, knob: val, "noise": val, "stability": s if buffers else 1 - s})
     return pd.DataFrame(rows)
 
 
@@ -135,6 +135,37 @@ def test_rl_claims_for_and_against():
     same.loc[same.learner == "ppo", "collapsed"] = 1.0
     v = verdicts(rl_comparison.claims_table(same, 2000.0))
     assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "inconclusive"
+
+
+def test_rl_claim_as_stated_and_as_meant_are_both_rows_whatever_they_say():
+    """The trained regime supports the claim, the fresh runs (both readings of "step") contradict
+    it: every regime keeps its rows, none is dropped for disagreeing with the paper."""
+    meant = _rl(True, True, n=40)
+    fresh = _rl(False, False, n=40)
+    stated = {"env steps 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])],
+              "updates 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])]}
+    v = verdicts(rl_comparison.claims_table(meant, 2000.0, stated=stated))
+    spike = "PPO collapses irreversibly after a single learning-rate spike"
+    assert find(v, f"{spike} (collapse rate above its unperturbed rate; {rl_comparison.MEANT})") == "supported"
+    for reading in stated:
+        assert find(v, f"{spike} (collapse rate above its unperturbed rate; as stated: spike at {reading})") in \
+            MISSING | {"not supported"}
+        assert find(v, f"SAC keeps learning after a single learning-rate spike (final return above its "
+                       f"pre-perturbation return; as stated: spike at {reading})") == "not supported"
+    assert len([k for k in v if k.startswith(spike)]) == 3
+    # the stated regimes test the lr spike only; action noise and reward scale only as meant
+    assert len([k for k in v if k.startswith("PPO collapses irreversibly after action noise")]) == 1
+
+
+def test_rl_final_return_not_worse_is_non_inferiority():
+    t = _rl(True, True, n=40)
+    ppo = (t.learner == "ppo") & (t.pert_kind == "none")
+    t.loc[ppo, "final_return"] = t.loc[(t.learner == "sac") & (t.pert_kind == "none"), "final_return"].to_numpy() - 100
+    v = verdicts(rl_comparison.claims_table(t, 2000.0))  # margin 0.25 * 2000 = 500 > 100 worse
+    assert find(v, "PPO's final return is not worse than SAC's") == "supported"
+    t.loc[ppo, "final_return"] -= 2000
+    v = verdicts(rl_comparison.claims_table(t, 2000.0))
+    assert find(v, "PPO's final return is not worse than SAC's") == "not supported"
 
 
 def test_rl_runs_broken_before_the_event_are_left_out_of_the_rate():

@@ -195,31 +195,51 @@ def test_unknown_env_and_hparam_raise_clear_errors():
         RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3})
 
 
-def test_grids_and_summary(tmp_path):
+def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
+    from stabstudy.learners.rl import forks
     from stabstudy.run.runner import run_grid
     from stabstudy.run.store import RunStore, load_runs
 
-    specs = study.comparison_grid(["ppo", "sac"], ["none", "lr_spike"], [0], 192, task="Pendulum-v1",
-                               hparams={a: TINY[a] for a in TINY}, eval_every=64)
-    assert len(specs) == 4
-    ppo_spike = [s for s in specs if s.learner == "ppo" and s.perturbations][0]
-    assert ppo_spike.perturbations[0].duration >= 64  # widened to contain a rollout end
-    doses = study.dose_grid(["sac"], [3.0, 30.0], [0, 1], 192, task="Pendulum-v1")
-    assert sorted({s.perturbations[0].dose for s in doses}) == [3.0, 30.0] and len(doses) == 4
-    noise = study.noise_grid({"sac": [-1.0, 1.0], "td3": [0.05]}, [0], 192, task="Pendulum-v1")
-    assert {s.get("target_entropy") for s in noise if s.learner == "sac"} == {-1.0, 1.0}
-    store = RunStore(tmp_path)
-    recs = run_grid(specs, scheduler="serial", store=store, progress=False)
-    assert all(r.status == "ok" for r in recs)
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
+    hp = {"ppo": TINY["ppo"], "sac": {**TINY["sac"], "target_entropy": -1.0}}  # knob explicit, as algo_hparams makes it
+    kw = dict(task="Pendulum-v1", hparams=hp, lead={"ppo": 128, "sac": 40}, post={"ppo": 128, "sac": 60},
+              spike_updates=20, env_duration=64, eval_every={"ppo": 64, "sac": 20})
+    specs = study.fork_grid(["ppo", "sac"], [("none", 1.0), ("lr_spike", 30.0)], [0, 1], {"ppo": 256, "sac": 200}, **kw)
+    assert len(specs) == 8 and {forks.role(s) for s in specs} == {"fork"}
+    ppo = [s for s in specs if s.learner == "ppo" and s.perturbations][0].perturbations[0]
+    sac = [s for s in specs if s.learner == "sac" and s.perturbations][0].perturbations[0]
+    assert (ppo.start, ppo.duration, sac.start, sac.duration) == (384, 64, 240, 20)  # one rollout; 20 updates
+    with pytest.raises(ValueError, match="multiple of n_steps"):
+        study.fork_grid(["ppo"], [("none", 1.0)], [0], {"ppo": 250}, **kw)
+    # the noise knob after the fork: left out where it equals the prefix's, so those forks are shared
+    noisy = study.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": -1.0}, **kw)
+    assert noisy[0] in specs
+    assert study.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": 0.5},
+                           **kw)[0].get("noise_after_fork") == 0.5
+    stated = study.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, dose=30.0, spike_updates=20,
+                               task="Pendulum-v1", hparams=hp)
+    starts = {r: sorted(s.perturbations[0].start for s in v if s.perturbations) for r, v in stated.items()}
+    assert starts == {"env steps": [20, 20], "updates": [70, 320]}  # sac: learning_starts 50 + 20; ppo: 5th rollout
+    store = RunStore(tmp_path / "runs")
+    prefixes = forks.prefix_specs(specs)
+    assert len(prefixes) == 4
+    assert all(r.status == "ok" for r in run_grid(prefixes, scheduler="serial", store=store, progress=False))
+    assert all(r.status == "ok" for r in run_grid(specs, scheduler="serial", store=store, progress=False))
+    pre = load_runs(prefixes, store=store)
+    untrained = {p.spec_hash: float(pre.sel(run=p.spec_hash).perf.dropna("step")[0]) for p in prefixes}
+    floors = {s.spec_hash: untrained[forks.prefix_key(s).spec_hash] for s in specs}
     ds = load_runs(specs, store=store)
     curves = study.eval_curves(ds)
-    assert curves.dims == ("run", "env_step") and np.isfinite(curves.values[:, 0]).all()
-    table = study.summarize(ds)
-    assert len(table) == 4 and set(table.learner) == {"ppo", "sac"}
-    # a drop at the last evaluations has no observation window after it: no verdict (NaN), not a collapse
+    assert curves.dims == ("run", "env_step")
+    table = study.summarize(ds, floors=floors, scale=500.0)
+    assert len(table) == 8 and set(table.prefix_steps) == {256, 200} and (table.noise_after_fork == "same").all()
+    # an unperturbed fork is tested at its own learner's perturbation start
+    assert set(table[table.learner == "ppo"].event) == {384.0} and set(table[table.learner == "sac"].event) == {240.0}
     decided = table.collapse_state != "unobserved"
     assert table.collapsed[decided].isin([0.0, 1.0]).all() and table.collapsed[~decided].isna().all()
-    assert table.stability.dropna().between(0, 1).all()
+    assert table.stability.dropna().between(0, 1).all() and (table.recovery_steps.dropna() >= 0).all()
+    eff = study.paired_effects(table)
+    assert len(eff) == 2 and (eff.n <= 2).all() and "damage" in eff and "recovery_high" in eff
 
 
 def test_summary_of_a_run_does_not_depend_on_the_other_runs():
@@ -270,8 +290,43 @@ def test_group_summary_and_dose_response():
     t.loc[(t.learner == "ppo") & (t.pert_kind == "lr_spike") & (t.seed == 3), "collapsed"] = np.nan
     row = study.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
     assert row.n == 3 and row.p_collapse == pytest.approx(2 / 3)
-    per, crit = study.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"])
-    assert set(crit) == {"ppo", "sac", "td3"} and np.isnan(crit["sac"].dose)
+    per, crit = study.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"], reps=20)
+    assert set(crit.learner) == {"ppo", "sac", "td3"}
+    assert crit.set_index("learner").loc["sac", "where"] == "above the grid"
+
+
+def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
+    import pandas as pd
+
+    doses = [1.0, 3.0, 10.0, 30.0, 100.0, 300.0]
+    rows = [dict(learner=a, pert_dose=d, seed=i, collapsed=float(rule(d, i)))
+            for a, rule in (("ppo", lambda d, i: d >= 30 or (d == 10 and i == 0)), ("sac", lambda d, i: False),
+                            ("td3", lambda d, i: True))
+            for d in doses for i in range(3)]
+    crit, fits = study.critical_doses(pd.DataFrame(rows), reps=200)
+    c = crit.set_index("learner")
+    assert c.loc["ppo", "where"] == "bracketed" and 10 <= c.loc["ppo", "dose"] <= 30
+    assert c.loc["ppo", "ci_low"] <= c.loc["ppo", "dose"] <= c.loc["ppo", "ci_high"] <= 30
+    assert c.loc["sac", "where"] == "above the grid" and c.loc["sac", "dose"] == np.inf == c.loc["sac", "ci_low"]
+    assert c.loc["td3", "where"] == "below the grid" and c.loc["td3", "dose"] == 0 == c.loc["td3", "ci_high"]
+    assert fits["ppo"].method == "logistic" and len(fits["ppo"].grid) == len(fits["ppo"].prob)
+
+
+def test_paired_effects_compare_each_fork_with_its_own_seeds_control():
+    import pandas as pd
+
+    rows = []
+    for i in range(4):
+        base = 3000.0 + 500 * i  # seeds differ a lot; pairs remove that
+        rows.append(dict(learner="sac", seed=i, prefix_steps=100, noise_after_fork="same", pert_kind="none",
+                         pert_dose=np.nan, collapsed=0.0, final_return=base, post_return=base, recovery_steps=0.0))
+        rows.append(dict(learner="sac", seed=i, prefix_steps=100, noise_after_fork="same", pert_kind="lr_spike",
+                         pert_dose=30.0, collapsed=float(i == 0), final_return=base - 200 - i,
+                         post_return=base - 400, recovery_steps=1000.0 + i))
+    eff = study.paired_effects(pd.DataFrame(rows)).iloc[0]
+    assert eff.n == 4 and eff.p_collapse == 0.25 and eff.damage == pytest.approx(-201.5)
+    assert eff.damage_high < 0 and eff.damage_p < 0.05 and eff.post_damage == pytest.approx(-400)
+    assert eff.recovery == pytest.approx(1001.5) and eff.damage_pairs == 4
 
 
 def test_log_every_thins_update_rows_but_keeps_records():
@@ -352,9 +407,16 @@ def test_readme_sb3_example_runs_as_written(capsys):
 
 
 def test_mujoco_warnings_go_through_python_warnings(tmp_path, monkeypatch):
-    """MuJoCo's compile warning about HalfCheetah-v5's XML becomes a Python warning (shown once
-    per process in notebooks) instead of a print on every env and a MUJOCO_LOG.TXT file."""
+    """MuJoCo's warnings become Python warnings instead of prints and a MUJOCO_LOG.TXT file; the one
+    about gymnasium's own HalfCheetah-v5 XML is silenced where the env is built (quiet notebooks)."""
+    import warnings
+
+    import mujoco
+
     monkeypatch.chdir(tmp_path)
-    with pytest.warns(RuntimeWarning, match="MuJoCo: .*settotalmass"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         envs.make_base("HalfCheetah-v5").close()
     assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
+    with pytest.warns(RuntimeWarning, match="MuJoCo: something else"):
+        mujoco.get_mju_user_warning()("something else")

@@ -18,73 +18,103 @@ if TYPE_CHECKING:
 
 # -- grids -----------------------------------------------------------------------------
 
-#: Default dose per perturbation kind for the comparison grid.
-DEFAULT_DOSES = {"lr_spike": 10.0, "action_noise": 0.5, "obs_noise": 0.5, "reward_scale": 10.0, "weight_noise": 0.5}
+def _full(learner: str, hp: Mapping[str, Any] | None) -> dict[str, Any]:
+    return {**defaults(hparams_class("rl", learner)), **(hp or {})}
 
 
-def perturbation(kind: str, start: int, duration: int, dose: float | None = None, learner: str = "sac",
-                 hparams: Mapping[str, Any] | None = None) -> tuple[Perturbation, ...]:
-    """One perturbation (empty for ``"none"``). On-policy ``lr_spike`` windows are
-    widened to at least one rollout (``n_steps``) so they contain an update."""
-    if kind == "none":
-        return ()
-    dose = DEFAULT_DOSES.get(kind, 1.0) if dose is None else float(dose)
-    if kind == "lr_spike" and learner in ON_POLICY:
-        n_steps = int({**defaults(hparams_class("rl", learner)), **(hparams or {})}["n_steps"])
-        duration = max(duration, n_steps)
-    if kind in ("weight_noise", "reinit_layer"):
-        duration = max(duration, 1)
-    return (Perturbation(kind, int(start), int(duration), dose),)
+def updates_per_rollout(hp: Mapping[str, Any]) -> int:
+    """Gradient updates of one PPO ``train()`` call: ``n_epochs`` x minibatches of a rollout."""
+    return int(hp["n_epochs"]) * -(-int(hp["n_steps"]) // int(hp["batch_size"]))
 
 
-def comparison_grid(algos: Sequence[str], perturbations: Sequence[str], seeds: Iterable[int], steps: int, *,
-                    task: str = "HalfCheetah-v5", start: int | None = None, duration: int | None = None,
-                    doses: Mapping[str, float] | None = None, hparams: Mapping[str, Mapping[str, Any]] | None = None,
-                    common_hparams: Mapping[str, Any] | None = None, eval_every: int = 0,
-                    log_every: int = 1) -> list[RunSpec]:
-    """Specs for algorithms x perturbation kinds (``"none"`` = baseline) x seeds.
+def spike_env_steps(learner: str, hp: Mapping[str, Any], updates: int = 0) -> int:
+    """Env steps of an lr-spike window that spikes ``updates`` gradient updates (0: one PPO
+    rollout's worth, :func:`updates_per_rollout` of the PPO defaults over ``hp``). On-policy
+    learners update only at rollout ends: their window is one rollout (``n_steps``), whatever
+    ``updates``; off-policy learners make ``gradient_steps`` updates every ``train_freq`` env steps."""
+    hp = _full(learner, hp)
+    if learner in ON_POLICY:
+        return int(hp["n_steps"])
+    updates = updates or updates_per_rollout(_full("ppo", {}))
+    return -(-int(updates) // int(hp["gradient_steps"])) * int(hp["train_freq"])
 
-    ``start`` (default ``steps // 2``) and ``duration`` (default ``steps // 20``) in
-    env steps; ``doses`` per kind (default :data:`DEFAULT_DOSES`); ``hparams`` per
-    algorithm merged over ``common_hparams``; ``eval_every`` (env steps, 0: ``steps // 20``)
-    and ``log_every`` (keep every this many per-update rows) go to the RunSpec.
+
+def env_step_of_update(learner: str, hp: Mapping[str, Any], update: int) -> int:
+    """Env step (``num_timesteps``) of the ``train()`` call that makes gradient update number
+    ``update`` (1-based) from scratch: PPO trains at rollout ends; SAC/TD3 train every ``train_freq``
+    env steps once ``num_timesteps > learning_starts``, ``gradient_steps`` updates per call."""
+    hp = _full(learner, hp)
+    if learner in ON_POLICY:
+        per = updates_per_rollout(hp) if learner == "ppo" else 1
+        return (-(-int(update) // per)) * int(hp["n_steps"])
+    f, g = int(hp["train_freq"]), int(hp["gradient_steps"])
+    first = (int(hp["learning_starts"]) // f + 1) * f
+    return first + (-(-int(update) // g) - 1) * f
+
+
+def fork_grid(algos: Sequence[str], treatments: Sequence[tuple[str, float]], seeds: Iterable[int],
+              prefix: Mapping[str, int], *, task: str = "HalfCheetah-v5",
+              hparams: Mapping[str, Mapping[str, Any]] | None = None, lead: Mapping[str, int],
+              post: Mapping[str, int], spike_updates: int = 0, env_duration: int = 2048,
+              eval_every: Mapping[str, int] | None = None, log_every: int = 1,
+              noise_after_fork: Mapping[str, float] | None = None) -> list[RunSpec]:
+    """Forks of each algorithm's stored prefix (``prefix[algo]`` env steps): treatments x seeds.
+
+    ``treatments``: ``(kind, dose)`` pairs, ``("none", 1.0)`` = the unperturbed fork (the
+    control of every perturbed fork of the same seed). Every perturbation starts
+    ``lead[algo]`` env steps after the fork (room for the pre-perturbation evaluations);
+    an lr spike lasts :func:`spike_env_steps` of ``spike_updates``, an env-side perturbation
+    ``env_duration`` env steps; every fork of an algorithm then runs ``post[algo]`` env steps
+    beyond the longer of the two (one horizon for treated and control runs).
+    ``noise_after_fork``: the learner's own noise knob from the fork on (left out where it
+    equals the prefix's, so those forks are the main grid's).
     """
-    start = steps // 2 if start is None else start
-    duration = max(1, steps // 20) if duration is None else duration
-    doses = {**DEFAULT_DOSES, **(doses or {})}
     specs = []
     for a in algos:
-        hp = {**(common_hparams or {}), **((hparams or {}).get(a, {}))}
-        for k in perturbations:
+        hp = {**((hparams or {}).get(a, {})), "prefix_steps": int(prefix[a])}
+        full = _full(a, hp)
+        knob = NOISE_KNOB[a]
+        if noise_after_fork and a in noise_after_fork and float(noise_after_fork[a]) != full[knob]:
+            hp["noise_after_fork"] = float(noise_after_fork[a])
+        unit = int(full["n_steps"] if a in ON_POLICY else full["train_freq"])
+        if int(prefix[a]) % unit:  # here, not minutes later on a worker
+            raise ValueError(f"{a}: prefix_steps {prefix[a]} must be a multiple of "
+                             f"{'n_steps' if a in ON_POLICY else 'train_freq'} = {unit} (a fork point ends a train call)")
+        start = int(prefix[a]) + int(lead[a])
+        spike = spike_env_steps(a, full, spike_updates)
+        steps = start + max(spike, int(env_duration)) + int(post[a])
+        for s in seeds:
+            for kind, dose in treatments:
+                pert = () if kind == "none" else (Perturbation(kind, start, spike if kind == "lr_spike"
+                                                               else int(env_duration), float(dose)),)
+                specs.append(RunSpec("rl", a, task, steps, int(s), hparams=hp, perturbations=pert,
+                                     eval_every=int((eval_every or {}).get(a, 0)), log_every=int(log_every)))
+    return list(dict.fromkeys(specs))
+
+
+def stated_grid(algos: Sequence[str], seeds: Iterable[int], steps: Mapping[str, int], *, at: int = 2000,
+                dose: float = 10.0, spike_updates: int = 0, task: str = "HalfCheetah-v5",
+                hparams: Mapping[str, Mapping[str, Any]] | None = None, eval_every: Mapping[str, int] | None = None,
+                log_every: int = 1) -> dict[str, list[RunSpec]]:
+    """The claim as stated: one lr spike at "step ``at``" of a fresh run, under both readings of
+    "step": ``{"env steps": specs, "updates": specs}``, each the unperturbed run and the spiked one
+    per algorithm and seed (``steps[algo]`` env steps). "env steps": the window starts at env
+    step ``at`` (PPO: the first rollout end at or after it); "updates": at the env step of gradient
+    update ``at`` (:func:`env_step_of_update`). Where both readings give one window, the runs are shared."""
+    out: dict[str, list[RunSpec]] = {"env steps": [], "updates": []}
+    seeds = list(seeds)
+    for a in algos:
+        hp = dict((hparams or {}).get(a, {}))
+        full = _full(a, hp)
+        spike = spike_env_steps(a, full, spike_updates)
+        for reading, start in (("env steps", int(at)), ("updates", env_step_of_update(a, full, at))):
+            if start + spike >= steps[a]:
+                raise ValueError(f"{a}: the spike at {reading} {at} (env steps [{start}, {start + spike})) does not end "
+                                 f"before the run's {steps[a]} env steps")
             for s in seeds:
-                specs.append(RunSpec("rl", a, task, int(steps), int(s), hparams=hp,
-                                     perturbations=perturbation(k, start, duration, doses.get(k), a, hp),
-                                     eval_every=int(eval_every), log_every=int(log_every)))
-    return specs
-
-
-def dose_grid(algos: Sequence[str], doses: Sequence[float], seeds: Iterable[int], steps: int, *,
-              kind: str = "lr_spike", **kw) -> list[RunSpec]:
-    """Dose sweep of one perturbation kind: algorithms x doses x seeds (kwargs as :func:`comparison_grid`)."""
-    seeds = list(seeds)
-    out: list[RunSpec] = []
-    for d in doses:
-        out += comparison_grid(algos, [kind], seeds, steps, doses={kind: float(d)}, **kw)
-    return out
-
-
-def noise_grid(knob_values: Mapping[str, Sequence[Any]], seeds: Iterable[int], steps: int, *,
-               kind: str = "lr_spike", dose: float | None = None,
-               hparams: Mapping[str, Mapping[str, Any]] | None = None, **kw) -> list[RunSpec]:
-    """Controlled stochasticity: for each algorithm, vary its own noise knob
-    (:data:`NOISE_KNOB`) over ``knob_values[algo]`` under the same perturbation."""
-    seeds = list(seeds)
-    out: list[RunSpec] = []
-    for a, values in knob_values.items():
-        for v in values:
-            hp = {a: {**((hparams or {}).get(a, {})), NOISE_KNOB[a]: v}}
-            out += comparison_grid([a], [kind], seeds, steps, doses={kind: dose} if dose is not None else None,
-                                   hparams=hp, **kw)
+                for pert in ((), (Perturbation("lr_spike", start, spike, float(dose)),)):
+                    out[reading].append(RunSpec("rl", a, task, int(steps[a]), int(s), hparams=hp, perturbations=pert,
+                                                eval_every=int((eval_every or {}).get(a, 0)), log_every=int(log_every)))
     return out
 
 
@@ -136,12 +166,19 @@ def _stop_env_step(ds: xr.Dataset, i: int) -> float:
     return float(np.nanmax(e)) if np.isfinite(e).any() else np.nan
 
 
+def _run_coord(curves: xr.DataArray, name: str, default: Any = np.nan) -> np.ndarray:
+    n = curves.sizes["run"]
+    return curves[name].values if name in curves.coords else np.full(n, default, dtype=object)
+
+
 def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recover_frac: float = 0.8,
               window: int | None = None, scale: float | None = None, min_gain_frac: float = 0.1,
-              min_evals_after: int = 3):
-    """One row per run (pandas DataFrame): learner, perturbation, seed, noise knobs,
-    ``pre_return`` (baseline before the perturbation start), ``final_return`` (mean
-    of the last ``final_points`` evaluations), ``collapsed`` (:func:`stabstudy.analysis.events.collapse`
+              min_evals_after: int = 3, floors: Mapping[str, float] | None = None):
+    """One row per run (pandas DataFrame): learner, perturbation, seed, ``prefix_steps`` (0: from
+    scratch), noise knobs and ``noise`` (the learner's own knob in effect during the event: a
+    fork's ``noise_after_fork``, else its knob), ``pre_return`` (baseline before the perturbation
+    start), ``final_return`` (mean of the last ``final_points`` evaluations), ``post_return`` (mean
+    of the evaluations from the event on), ``collapsed`` (:func:`stabstudy.analysis.events.collapse`
     with ``frac``/``recover_frac``/``window`` in env steps, ``min_gain =
     min_gain_frac * scale``, so a run that learned little before the event must
     still lose ``(1 - frac) * min_gain_frac`` of the scale, and ``min_after =
@@ -152,13 +189,18 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
     left out of every collapse rate and counted separately), ``min_level``,
     ``max_drawdown``, ``recovery_time`` (env steps; NaN when the return never left
     the band: nothing to recover from), ``recovery_state``
-    (:data:`stabstudy.analysis.events.RECOVERY_STATES`), ``stability``
-    (:func:`stabstudy.analysis.stats.stability_score` with a shared ``scale``: default
+    (:data:`stabstudy.analysis.events.RECOVERY_STATES`), ``recovery_steps`` (0 when it never
+    left the band, the end of the run when it did not come back: censored there),
+    ``stability`` (:func:`stabstudy.analysis.stats.stability_score` with a shared ``scale``: default
     the spread between the median untrained return and the best evaluation over
     all runs; NaN without evaluations after the event). Runs without a
-    perturbation use the grid's median perturbation start as a pseudo-event (so
-    baselines get a collapse rate at the same budget). A run with status
-    ``diverged`` counts as collapsed when it diverged at or after the event.
+    perturbation use the median perturbation start of the runs of the same learner and
+    prefix as a pseudo-event (so baselines get a collapse rate at the same budget). A run with
+    status ``diverged`` counts as collapsed when it diverged at or after the event.
+
+    ``floors``: spec hash -> the return a collapse falls towards, for runs whose first
+    evaluation is not the untrained policy's (a fork starts trained: pass its prefix's
+    untrained return); default the run's first evaluation. Pass ``scale`` with forks too.
 
     Each run's numbers come from its own evaluations only (its own env steps): on the
     union grid of all runs, the "last points" before an event or at the end would
@@ -172,31 +214,47 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
     if "run" not in ds.dims:
         ds = ds.expand_dims(run=[0])
     curves = eval_curves(ds)
-    starts = curves["pert_start"].values.astype(float) if "pert_start" in curves.coords else np.full(curves.sizes["run"], np.nan)
-    pseudo = float(np.nanmedian(starts)) if np.isfinite(starts).any() else float(curves.env_step.values[len(curves.env_step) // 2])
+    n = curves.sizes["run"]
+    starts = curves["pert_start"].values.astype(float) if "pert_start" in curves.coords else np.full(n, np.nan)
+    prefix = pd.to_numeric(pd.Series(_run_coord(curves, "hp_prefix_steps", 0)), errors="coerce").fillna(0).to_numpy()
+    learners = _run_coord(curves, "learner", "")
+    pseudo_all = float(np.nanmedian(starts)) if np.isfinite(starts).any() else \
+        float(curves.env_step.values[len(curves.env_step) // 2])
     vals = curves.values
     first = vals[:, 0] if vals.shape[1] else np.array([np.nan])
     if scale is None:
         scale = float(np.nanmax(vals) - np.nanmedian(first)) if np.isfinite(vals).any() else 1.0
+    after = _run_coord(curves, "hp_noise_after_fork", "same")
     rows = []
-    for i in range(curves.sizes["run"]):
+    for i in range(n):
         c = eval_curves(ds.isel(run=[i])).isel(run=0).rename(env_step="step")
-        ev = starts[i] if np.isfinite(starts[i]) else pseudo
+        peers = starts[(learners == learners[i]) & (prefix == prefix[i])]
+        ev = starts[i] if np.isfinite(starts[i]) else (
+            float(np.nanmedian(peers)) if np.isfinite(peers).any() else pseudo_all)
         row = {k: curves[k].values[i] for k in ("spec_hash", "learner", "seed", "pert_kind", "pert_dose", "pert_start",
                                                   "status") if k in curves.coords}
+        row["prefix_steps"] = int(prefix[i])
+        row["noise_after_fork"] = "same" if not isinstance(after[i], int | float) or np.isnan(after[i]) else after[i]
         stop = _stop_env_step(ds, i) if row.get("status") == "diverged" else None
-        res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window,
+        floor = (floors or {}).get(str(row.get("spec_hash")))
+        res = events.collapse(c, ev, frac=frac, recover_frac=recover_frac, window=window, floor=floor,
                               min_gain=min_gain_frac * scale, min_after=min_evals_after, diverged_at=stop)
-        fin = c.values[np.isfinite(c.values)]
+        cs, cv = events.as_series(c)
         for knob in set(NOISE_KNOB.values()):
             if f"hp_{knob}" in curves.coords:
                 row[knob] = curves[f"hp_{knob}"].values[i]
+        own = row.get(NOISE_KNOB.get(str(row.get("learner")), ""), np.nan)
+        row["noise"] = pd.to_numeric(pd.Series([row["noise_after_fork"] if row["noise_after_fork"] != "same"
+                                                else own]), errors="coerce").iloc[0]
         rec_state, rec_time = events.recovery_state(c, ev, abs_tol=0.1 * scale)
+        end = float(cs[-1] - ev) if cs.size else np.nan
         row.update(
-            event=ev, pre_return=res.baseline, final_return=float(np.mean(fin[-final_points:])) if fin.size else np.nan,
+            event=ev, pre_return=res.baseline, final_return=float(np.mean(cv[-final_points:])) if cv.size else np.nan,
+            post_return=float(np.mean(cv[cs >= ev])) if (cs >= ev).any() else np.nan,
             collapsed=res.outcome, collapse_state=res.state, pre_event_invalid=res.pre_event_invalid,
             min_level=res.min_level, max_drawdown=events.max_drawdown(c, start=ev),
             recovery_time=rec_time, recovery_state=rec_state,
+            recovery_steps={"never_left": 0.0, "recovered": rec_time, "not_recovered": end}.get(rec_state, np.nan),
             stability=np.nan if res.pre_event_invalid else stats.stability_score(c, ev, scale=scale),
         )
         rows.append(row)
@@ -232,18 +290,105 @@ def group_summary(table, by: Sequence[str] = ("learner", "pert_kind")):
     return pd.DataFrame(rows)
 
 
-def dose_response(table, dose_col: str = "pert_dose", level: float = 0.5):
-    """Collapse probability per learner and dose, and the critical dose per learner.
+def as_dose_table(table, kind: str = "lr_spike"):
+    """The rows of one perturbation kind with the unperturbed runs as its zero-effect dose: factor 1
+    for ``lr_spike`` and ``reward_scale`` (a factor of 1 changes nothing), 0 for noise kinds."""
+    import pandas as pd
 
-    Returns ``(per_dose, critical)``: a DataFrame (learner, dose, n, p_collapse,
-    p_low, p_high) and ``{learner: stats.CriticalDose}``.
-    """
+    control = 0.0 if kind.endswith("noise") else 1.0
+    base = table[table.pert_kind == "none"].assign(pert_kind=kind, pert_dose=control)
+    return pd.concat([table[table.pert_kind == kind], base], ignore_index=True)
+
+
+def _bracket(c, level: float) -> tuple[float, str]:
+    """A :class:`stats.CriticalDose` as (value, where): ``inf`` "above the grid" when the fitted
+    probability never reaches ``level`` in the tested doses, ``0`` "below the grid" when it is
+    reached at the smallest already, else the dose and "bracketed"."""
+    if not len(c.prob):
+        return np.nan, "no data"
+    if c.prob[0] >= level:
+        return 0.0, "below the grid"
+    if not np.isfinite(c.dose):
+        return np.inf, "above the grid"
+    return float(c.dose), "bracketed"
+
+
+def critical_doses(table, dose_col: str = "pert_dose", level: float = 0.5, reps: int = 1000,
+                   confidence: float = 0.95, seed: int = 0):
+    """Critical dose (fitted collapse probability ``level``, :func:`stabstudy.analysis.stats.critical_dose`:
+    logistic regression on log dose) per learner with a bootstrap interval (runs resampled with
+    replacement within each dose). Returns ``(rows, fits)``: a DataFrame (learner, dose, where,
+    ci_low, ci_high, bracketed_frac, method, message) with ``where`` "bracketed", "above the grid"
+    (never reaches ``level`` up to the largest dose: dose ``inf``) or "below the grid" (reached at the
+    smallest: dose 0), the interval's ends likewise; and ``{learner: CriticalDose}`` for plotting."""
+    import pandas as pd
+
     from stabstudy.analysis import stats
 
+    rng = np.random.default_rng(seed)
+    rows, fits = [], {}
+    for a, g in table.groupby("learner"):
+        d, c = g[dose_col].to_numpy(float), g["collapsed"].to_numpy(float)
+        ok = np.isfinite(d) & np.isfinite(c)
+        d, c = d[ok], c[ok]
+        fit = stats.critical_dose(d, c, level=level)
+        fits[a] = fit
+        value, where = _bracket(fit, level)
+        draws = []
+        groups = [np.flatnonzero(d == u) for u in np.unique(d)]
+        for _ in range(reps if d.size else 0):
+            idx = np.concatenate([rng.choice(gi, gi.size) for gi in groups])
+            draws.append(_bracket(stats.critical_dose(d[idx], c[idx], level=level), level)[0])
+        draws = np.asarray(draws, dtype=float)
+        q = (1 - confidence) / 2
+        lo, hi = (np.quantile(draws, [q, 1 - q], method="inverted_cdf") if draws.size else (np.nan, np.nan))
+        rows.append({"learner": a, "dose": value, "where": where, "ci_low": float(lo), "ci_high": float(hi),
+                     "bracketed_frac": float(np.mean(np.isfinite(draws) & (draws > 0))) if draws.size else np.nan,
+                     "n": int(d.size), "method": fit.method, "message": fit.message})
+    return pd.DataFrame(rows), fits
+
+
+def dose_response(table, dose_col: str = "pert_dose", level: float = 0.5, reps: int = 1000):
+    """Collapse probability per learner and dose, and the critical dose per learner.
+
+    Returns ``(per_dose, critical)``: a DataFrame (learner, dose, n, p_collapse, p_low, p_high,
+    ...) and :func:`critical_doses` ``rows`` (with bootstrap intervals, ``reps`` resamples)."""
     per = group_summary(table, by=("learner", dose_col)).rename(columns={dose_col: "dose"})
-    crit = {a: stats.critical_dose(g[dose_col].values, g["collapsed"].values, level=level)
-            for a, g in table.groupby("learner")}
-    return per, crit
+    return per, critical_doses(table, dose_col, level, reps)[0]
+
+
+#: Columns that identify a fork's control: the unperturbed fork of the same checkpoint and noise.
+PAIR_KEY = ("learner", "seed", "prefix_steps", "noise_after_fork")
+
+
+def paired_effects(table, by: Sequence[str] = ("learner", "pert_kind", "pert_dose"), alpha: float = 0.05):
+    """Each perturbed run against its control (same :data:`PAIR_KEY`, no perturbation): per group of
+    ``by``, ``n`` (pairs with a collapse verdict), the collapse rate with a Clopper-Pearson interval,
+    and :func:`stabstudy.analysis.claims.paired_difference` (paired t-test, bootstrap interval) of
+    ``damage`` (final return, perturbed - control; ``damage_low``/``damage_high``, one-sided ``p``
+    for "lower"), ``post_damage`` (mean return from the event on) and ``recovery`` (``recovery_steps``,
+    perturbed - control, censored at the end of the runs)."""
+    import pandas as pd
+
+    from stabstudy.analysis import claims as C
+    from stabstudy.analysis import stats
+
+    key = [k for k in PAIR_KEY if k in table]
+    base = table[table.pert_kind == "none"].drop_duplicates(key).set_index(key)
+    rows = []
+    for gk, g in table[table.pert_kind != "none"].groupby(list(by), sort=True):
+        ctrl = base.reindex(pd.MultiIndex.from_frame(g[key].astype(object)) if len(key) > 1 else g[key[0]])
+        p, lo, hi = stats.collapse_probability(g["collapsed"].to_numpy(float))
+        row = {**dict(zip(by, gk if isinstance(gk, tuple) else (gk,), strict=True)),
+               "n": int(np.isfinite(g["collapsed"].to_numpy(float)).sum()), "p_collapse": p, "p_low": lo, "p_high": hi}
+        for name, col, direction in (("damage", "final_return", "less"), ("post_damage", "post_return", "less"),
+                                     ("recovery", "recovery_steps", "greater")):
+            c = C.paired_difference(name, "our own", g[col].to_numpy(float), ctrl[col].to_numpy(float),
+                                    direction=direction, alpha=alpha)
+            row.update({name: c.effect, f"{name}_low": c.ci[0], f"{name}_high": c.ci[1], f"{name}_p": c.p,
+                        f"{name}_pairs": c.n})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def noise_response(table):
@@ -259,9 +404,10 @@ def noise_response(table):
     rows, rhos = [], {}
     for a, g in table.groupby("learner"):
         knob = NOISE_KNOB[a]
-        if knob not in g:
-            continue
-        g = g.assign(noise=pd.to_numeric(g[knob], errors="coerce"))
+        if "noise" not in g:
+            if knob not in g:
+                continue
+            g = g.assign(noise=pd.to_numeric(g[knob], errors="coerce"))
         for v, h in g.groupby("noise"):
             p, lo, hi = stats.collapse_probability(h["collapsed"].values)
             rows.append({"learner": a, "knob": knob, "noise": v, "n": len(h), "p_collapse": p, "p_low": lo,
@@ -290,23 +436,30 @@ KIND_LABELS = {"lr_spike": "a single learning-rate spike", "action_noise": "acti
                "weight_noise": "weight noise"}
 
 
-def claims_table(comp, scale: float, *, dose=None, noise=None, on_policy: str = "ppo",
+#: The regime of the comparison grid in the claims' wording (the claim as meant).
+MEANT = "as meant: after training, forked from the stored checkpoint"
+
+
+def claims_table(comp, scale: float, *, stated=None, dose=None, noise=None, on_policy: str = "ppo",
                  off_policy: Sequence[str] = ("sac", "td3"), comparable_tol: float = 0.25,
                  decoupling_margin: float = 0.3, alpha: float = 0.05) -> list[Claim]:
     """The claims of the report under test and the study's own, as :class:`stabstudy.analysis.claims.Claim` rows.
 
     Args:
-        comp: :func:`summarize` table of the comparison grid (all perturbation kinds, ``none`` included).
+        comp: :func:`summarize` table of the comparison grid (all perturbation kinds, ``none``
+            included): the claim as meant (:data:`MEANT`), the forks of trained prefixes.
         scale: the return scale shared by the stability scores.
+        stated: the claim as stated: ``{reading: summarize table}`` of fresh runs with and without
+            the spike at "step 2000" under each reading of "step" (None: not run).
         dose: :func:`summarize` rows of the lr-spike dose sweep (None: not run).
         noise: :func:`summarize` rows of the controlled-stochasticity grid, with each
-            learner's noise knob (:data:`NOISE_KNOB`) as a column (None: not run).
+            learner's knob in effect as column ``noise`` (None: not run).
         comparable_tol: equivalence margin of the pre-perturbation returns, as a
-            fraction of ``scale``.
+            fraction of ``scale``; also the non-inferiority margin of "not worse".
         decoupling_margin: equivalence margin of Spearman's rho for "decoupled".
 
     Rules (:mod:`stabstudy.analysis.claims`; runs already broken before the event,
-    ``pre_event_invalid``, are in no claim):
+    ``pre_event_invalid``, are in no claim); the lr-spike rows once per regime:
 
     * "X collapses irreversibly after K": :func:`~stabstudy.analysis.claims.rate_comparison`
       of X's collapse rate under K against X's unperturbed rate at the same budget;
@@ -314,14 +467,15 @@ def claims_table(comp, scale: float, *, dose=None, noise=None, on_policy: str = 
       of each run's final return over its own pre-perturbation return (greater);
     * "comparable returns before the spike": :func:`~stabstudy.analysis.claims.equivalence`
       (Welch TOST) of the pre-spike returns, margin ``comparable_tol * scale``;
+    * "X's final return is not worse than Y's" (unperturbed, as meant): non-inferiority,
+      :func:`~stabstudy.analysis.claims.difference` of X's final returns plus the margin
+      against Y's (greater; the effect includes the margin);
     * decoupling: :func:`~stabstudy.analysis.claims.correlation` of final return and
       stability over perturbed runs, ``expect="none"`` with ``decoupling_margin``;
     * stochasticity buffers: per learner, rho(noise knob, stability) positive;
     * lower critical dose: the on-policy collapse rate over the whole dose sweep
       against each off-policy one over the same doses and seeds.
     """
-    import pandas as pd
-
     from stabstudy.analysis import claims as C
 
     paper, own = "source paper: the report under test", "our own"
@@ -331,51 +485,58 @@ def claims_table(comp, scale: float, *, dose=None, noise=None, on_policy: str = 
         return t[~t["pre_event_invalid"].fillna(False).astype(bool)] if t is not None and len(t) and \
             "pre_event_invalid" in t else t
 
+    def of(t, **eq):
+        return t[np.logical_and.reduce([t[k] == v for k, v in eq.items()])] if t is not None and len(t) else t
+
+    def col(t, c):
+        return t[c].to_numpy(float) if t is not None and len(t) and c in t else []
+
     comp, dose, noise = valid(comp), valid(dose), valid(noise)
-    kinds = [k for k in KIND_LABELS if k in set(comp.pert_kind)] if len(comp) else []
-    for kind in kinds or ["lr_spike"]:
-        label = KIND_LABELS[kind]
-        runs = comp[comp.pert_kind == kind] if len(comp) else comp
-        base = comp[comp.pert_kind == "none"] if len(comp) else comp
-        on = runs[runs.learner == on_policy] if len(runs) else runs
-        rows.append(C.rate_comparison(
-            f"{on_policy.upper()} collapses irreversibly after {label} (collapse rate above its unperturbed rate)",
-            paper, *_rate(on), *_rate(base[base.learner == on_policy] if len(base) else base),
-            direction="greater", alpha=alpha))
-        for a in off_policy:
-            r = runs[runs.learner == a] if len(runs) else runs
-            rows.append(C.paired_difference(
-                f"{a.upper()} keeps learning after {label} (final return above its pre-perturbation return)",
-                paper, r.final_return.to_numpy(float) if len(r) else [],
-                r.pre_return.to_numpy(float) if len(r) else [], direction="greater", alpha=alpha))
-        if kind == "lr_spike":
+    regimes = [(f"as stated: spike at {r}", valid(t), ["lr_spike"]) for r, t in (stated or {}).items()]
+    kinds = [k for k in KIND_LABELS if len(comp) and k in set(comp.pert_kind)]
+    regimes.append((MEANT, comp, kinds or ["lr_spike"]))
+    for regime, table, ks in regimes:
+        for kind in ks:
+            label = KIND_LABELS[kind]
+            on = of(table, pert_kind=kind, learner=on_policy)
+            rows.append(C.rate_comparison(
+                f"{on_policy.upper()} collapses irreversibly after {label} (collapse rate above its unperturbed "
+                f"rate; {regime})", paper, *_rate(on if on is not None else comp.iloc[:0]),
+                *_rate(of(table, pert_kind="none", learner=on_policy) if table is not None else comp.iloc[:0]),
+                direction="greater", alpha=alpha))
             for a in off_policy:
-                x = on.pre_return.to_numpy(float) if len(on) else []
-                r = runs[runs.learner == a] if len(runs) else runs
-                y = r.pre_return.to_numpy(float) if len(r) else []
-                rows.append(C.equivalence(
-                    f"returns before the spike are comparable: {on_policy.upper()} vs {a.upper()} "
-                    f"(within {comparable_tol:g} of the return scale)", paper, x, y,
-                    margin=comparable_tol * scale, relative=False, paired=False, alpha=alpha))
+                r = of(table, pert_kind=kind, learner=a)
+                rows.append(C.paired_difference(
+                    f"{a.upper()} keeps learning after {label} (final return above its pre-perturbation return; "
+                    f"{regime})", paper, col(r, "final_return"), col(r, "pre_return"), direction="greater", alpha=alpha))
+                if kind == "lr_spike":
+                    rows.append(C.equivalence(
+                        f"returns before the spike are comparable: {on_policy.upper()} vs {a.upper()} "
+                        f"(within {comparable_tol:g} of the return scale; {regime})", paper, col(on, "pre_return"),
+                        col(r, "pre_return"), margin=comparable_tol * scale, relative=False, paired=False, alpha=alpha))
+    for a in off_policy:
+        margin = comparable_tol * scale
+        rows.append(C.difference(
+            f"{on_policy.upper()}'s final return is not worse than {a.upper()}'s (unperturbed, non-inferiority margin "
+            f"{comparable_tol:g} of the return scale; {MEANT})", paper,
+            np.asarray(col(of(comp, pert_kind="none", learner=on_policy), "final_return")) + margin,
+            col(of(comp, pert_kind="none", learner=a), "final_return"), direction="greater", alpha=alpha))
     pert = comp[(comp.pert_kind != "none")] if len(comp) else comp
     rows.append(C.correlation("high final return is decoupled from stability (perturbed runs)", own,
-                              pert.final_return.to_numpy(float) if len(pert) else [],
-                              pert.stability.to_numpy(float) if len(pert) else [],
+                              col(pert, "final_return"), col(pert, "stability"),
                               expect="none", margin=decoupling_margin, alpha=alpha))
     for a in [on_policy, *off_policy]:
-        knob = NOISE_KNOB.get(a, "")
-        g = noise[noise.learner == a] if noise is not None and len(noise) else None
-        x = pd.to_numeric(g[knob], errors="coerce").to_numpy(float) if g is not None and knob in g else []
-        y = g.stability.to_numpy(float) if g is not None and knob in g else []
-        rows.append(C.correlation(f"more of {a.upper()}'s own noise ({knob}) buffers the spike (higher stability)",
-                                  own, x, y, expect="positive", alpha=alpha))
+        g = of(noise, learner=a)
+        rows.append(C.correlation(f"more of {a.upper()}'s own noise ({NOISE_KNOB.get(a, '')}) buffers the spike "
+                                  "(higher stability)", own, col(g, "noise"), col(g, "stability") if len(col(g, "noise"))
+                                  else [], expect="positive", alpha=alpha))
     for a in off_policy:
-        d = dose if dose is not None and len(dose) else None
+        empty = comp.iloc[:0]
         rows.append(C.rate_comparison(
             f"{on_policy.upper()} has a lower critical lr-spike dose than {a.upper()} "
             "(collapses more often over the same doses and seeds)", own,
-            *_rate(d[d.learner == on_policy] if d is not None else comp.iloc[:0]),
-            *_rate(d[d.learner == a] if d is not None else comp.iloc[:0]), direction="greater", alpha=alpha))
+            *_rate(of(dose, learner=on_policy) if dose is not None and len(dose) else empty),
+            *_rate(of(dose, learner=a) if dose is not None and len(dose) else empty), direction="greater", alpha=alpha))
     return rows
 
 

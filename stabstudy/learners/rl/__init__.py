@@ -2,8 +2,9 @@
 
 :mod:`~stabstudy.learners.rl.envs` builds the envs, :mod:`~stabstudy.learners.rl.callbacks`
 holds the SB3 callbacks (one job each, usable in any SB3 script) and
-:mod:`~stabstudy.learners.rl.recorder` the :class:`Recorder` they share, and
-:mod:`~stabstudy.learners.rl.learner` composes them into ``run(spec)``.
+:mod:`~stabstudy.learners.rl.recorder` the :class:`Recorder` they share,
+:mod:`~stabstudy.learners.rl.learner` composes them into ``run(spec)``, and
+:mod:`~stabstudy.learners.rl.forks` stores a prefix's training state once and forks runs from it.
 """
 
 from stabstudy.learners.rl.callbacks import (

@@ -334,12 +334,14 @@ class EvaluationCallback(RecorderCallback):
         t = self.model.num_timesteps
         self._last_env_step = t
         rets = []
+        norm = self.model.get_vec_normalize_env()  # the policy sees normalised observations
         try:
             for i in range(self.episodes):
                 obs, _ = self.eval_env.reset(seed=self.seed + i)
                 done, ret = False, 0.0
                 while not done:
-                    action, _ = self.model.predict(obs, deterministic=True)
+                    action, _ = self.model.predict(norm.normalize_obs(obs) if norm is not None else obs,
+                                                   deterministic=True)
                     obs, r, term, trunc, _ = self.eval_env.step(action)
                     ret += float(r)
                     done = term or trunc
@@ -373,6 +375,15 @@ class DiagnosticsCallback(RecorderCallback):
         self.every = max(1, int(every))
         self._gen = torch.Generator().manual_seed(int(seed) + 7)
         self.recorder.on_train_end(self._diagnose, Recorder.DIAGNOSE)
+
+    @property
+    def rng_state(self) -> torch.Tensor:
+        """State of the private generator (a fork continues its prefix's)."""
+        return self._gen.get_state()
+
+    @rng_state.setter
+    def rng_state(self, state: torch.Tensor) -> None:
+        self._gen.set_state(state)
 
     def _diagnose(self, n: int) -> None:
         rec = self.recorder

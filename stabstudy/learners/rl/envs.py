@@ -20,6 +20,8 @@ from stable_baselines3.common.vec_env import DummyVecEnv
 
 from stabstudy.interventions.perturb import Perturbation, Schedule
 
+#: MuJoCo's compile warning about gymnasium's HalfCheetah XML, silenced in :func:`make_base`.
+MUJOCO_XML_WARNING = r"MuJoCo: .*settotalmass"
 #: Env-side perturbation kinds: they act through :class:`PerturbationWrapper` only.
 ENV_KINDS = ("action_noise", "obs_noise", "reward_scale")
 
@@ -47,11 +49,16 @@ def route_mujoco_warnings() -> None:
 
 
 def make_base(task: str, max_episode_steps: int = 0) -> gym.Env:
-    """``gym.make(task)`` (with ``max_episode_steps`` when non-zero), MuJoCo warnings routed."""
+    """``gym.make(task)`` (with ``max_episode_steps`` when non-zero), MuJoCo warnings routed, the one
+    about gymnasium's HalfCheetah XML (:data:`MUJOCO_XML_WARNING`) silenced."""
     check_env_id(task)
     route_mujoco_warnings()
     kw = {"max_episode_steps": int(max_episode_steps)} if max_episode_steps else {}
-    return gym.make(task, **kw)
+    with warnings.catch_warnings():
+        # gymnasium's own HalfCheetah-v5 XML uses MuJoCo's deprecated 'settotalmass': a warning at
+        # every model compile about a file that neither we nor the user can change buries real ones
+        warnings.filterwarnings("ignore", message=MUJOCO_XML_WARNING, category=RuntimeWarning)
+        return gym.make(task, **kw)
 
 
 class PerturbationWrapper(gym.Wrapper):

@@ -19,12 +19,15 @@ SAC: ``"auto"`` or float), ``target_entropy`` (SAC: ``"auto"`` or float),
 ``train_freq``, ``gradient_steps``, ``tau``, ``policy_delay``, ``eval_episodes``,
 ``eval_max_steps`` (0 = env default), ``max_episode_steps`` (0 = env default),
 ``monitor_every`` (Monitor's ``every``), ``diag_every`` (diagnostics and full divergence
-check every this many ``train()`` calls, off-policy), ``diverge_threshold``.
+check every this many ``train()`` calls, off-policy), ``diverge_threshold``, ``normalize_obs``
+(SB3 ``VecNormalize`` of the observations; evaluation normalises with the training statistics),
+``prefix_steps`` and ``noise_after_fork`` (forks of stored prefixes: :mod:`stabstudy.learners.rl.forks`).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,10 +37,11 @@ import xarray as xr
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.noise import NormalActionNoise
-from stable_baselines3.common.vec_env import VecEnv
+from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from stabstudy.hparams import defaults, merged
 from stabstudy.instruments.precision import all_finite
+from stabstudy.learners.rl import forks
 from stabstudy.learners.rl.callbacks import (
     EVAL_SEED_OFFSET,
     DiagnosticsCallback,
@@ -62,6 +66,9 @@ from stabstudy.spec import RunSpec
 RESULTS_VERSION = 3
 
 ALGOS = tuple(LEARNERS["rl"])
+#: The stable-baselines3 class of each learner.
+ALGO_CLASSES: dict[str, type[BaseAlgorithm]] = {"ppo": sb3.PPO, "sac": sb3.SAC, "td3": sb3.TD3, "a2c": sb3.A2C,
+                                                "ddpg": sb3.DDPG}
 
 
 def hparams_for(spec: RunSpec) -> dict[str, Any]:
@@ -75,7 +82,10 @@ def build_model(spec: RunSpec, env: VecEnv | None = None) -> BaseAlgorithm:
     if spec.learner not in ALGOS:
         raise ValueError(f"unknown RL learner {spec.learner!r}; valid: {', '.join(ALGOS)}")
     hp = hparams_for(spec)
-    env = env if env is not None else make_env(spec.task, spec.perturbations, spec.seed, hp["max_episode_steps"])
+    if env is None:
+        env = make_env(spec.task, spec.perturbations, spec.seed, hp["max_episode_steps"])
+        if hp["normalize_obs"]:
+            env = VecNormalize(env, norm_obs=True, norm_reward=False, gamma=float(hp["gamma"]))
     arch = [int(hp["hidden"])] * int(hp["layers"])
     common = dict(learning_rate=float(hp["lr"]), gamma=float(hp["gamma"]), seed=spec.seed, verbose=0, device="cpu")
     L = spec.learner
@@ -112,8 +122,9 @@ def callbacks_for(spec: RunSpec, monitor: bool = True, evaluation: bool = True) 
         cbs.append(TelemetryCallback(rec, every=max(int(hp["monitor_every"]), spec.log_every)))
     cbs.append(PerturbationCallback(rec, spec.perturbations, seed=spec.seed))
     if evaluation:
+        span = spec.steps - (forks.prefix_steps(spec) if forks.role(spec) == "fork" else 0)
         cbs.append(EvaluationCallback(rec, make_eval_env(spec.task, hp["eval_max_steps"]),
-                                      every=spec.eval_every or max(1, spec.steps // 20),
+                                      every=spec.eval_every or max(1, span // 20),
                                       episodes=int(hp["eval_episodes"]), seed=spec.seed + EVAL_SEED_OFFSET))
     cbs.append(DiagnosticsCallback(rec, every=int(hp["diag_every"]), seed=spec.seed))
     cbs.append(DivergenceCallback(rec, threshold=float(hp["diverge_threshold"]), every=int(hp["diag_every"])))
@@ -137,8 +148,38 @@ def _numerical_blowup(e: Exception) -> bool:
         any(w in msg for w in ("nan", " inf", "unstable", "overflow"))
 
 
+def _diagnostics(cb: CallbackList) -> DiagnosticsCallback:
+    return next(c for c in cb.callbacks if isinstance(c, DiagnosticsCallback))
+
+
+def resume(spec: RunSpec) -> tuple[BaseAlgorithm, dict[str, Any]]:
+    """The model of a fork at its fork point, restored from its prefix's verified checkpoint
+    (:mod:`stabstudy.learners.rl.forks`), and what the prefix's recorder left (``n_updates``,
+    ``train_calls``, ``diag_rng``) with the checkpoint's ``status``, ``reason`` and ``sha256``.
+    Without a checkpoint the prefix is trained here first (and stored)."""
+    hp = hparams_for(spec)
+    key = forks.prefix_key(spec)
+    try:
+        blob, meta = forks.read_checkpoint(key.spec_hash)
+    except FileNotFoundError:
+        warnings.warn(f"no checkpoint of the prefix {key.label} in {forks.checkpoints_dir()}; training it here "
+                      "(run the prefixes first: forks.prefix_specs)", RuntimeWarning, stacklevel=2)
+        run(key)
+        blob, meta = forks.read_checkpoint(key.spec_hash)
+    env = make_env(spec.task, spec.perturbations, spec.seed, hp["max_episode_steps"])
+    cap = None if spec.learner in ON_POLICY else int(min(hp["buffer_size"], spec.steps))
+    model, extra = forks.restore(blob, ALGO_CLASSES[spec.learner], env, cap)
+    if hp["noise_after_fork"] != "same":
+        forks.set_noise(model, spec.learner, float(hp["noise_after_fork"]))
+    return model, {**extra, "status": meta["status"], "reason": meta["reason"], "sha256": meta["sha256"]}
+
+
 def run(spec: RunSpec) -> xr.Dataset:
     """Train ``spec.learner`` on ``spec.task`` for ``spec.steps`` env steps; see the module docstring.
+
+    With ``prefix_steps`` (:mod:`stabstudy.learners.rl.forks`): a prefix run trains from
+    scratch without the Monitor (nothing perturbs it; its record is the learning curve) and
+    stores its checkpoint; a fork continues its prefix's checkpoint to ``spec.steps``.
 
     Returns the Dataset (dim ``step`` = updates completed, coordinate ``env_step``),
     ``attrs["status"]`` ``"ok"`` or ``"diverged"`` (with ``diverge_reason``).
@@ -146,12 +187,25 @@ def run(spec: RunSpec) -> xr.Dataset:
     if spec.domain != "rl":
         raise ValueError(f"stabstudy.learners.rl.learner.run handles domain 'rl', got {spec.domain!r}")
     check_env_id(spec.task)
+    kind = forks.role(spec)
+    forks.check(spec, hparams_for(spec))
     seed_everything(spec.seed)
     t0 = time.perf_counter()
-    model = build_model(spec)
-    rec, cb = callbacks_for(spec)
+    resumed: dict[str, Any] = {}
+    if kind == "fork":
+        model, resumed = resume(spec)
+    else:
+        model = build_model(spec)
+    rec, cb = callbacks_for(spec, monitor=kind != "prefix")
+    if resumed:
+        rec.resume(resumed["n_updates"], resumed["train_calls"], model.num_timesteps)
+        _diagnostics(cb).rng_state = resumed["diag_rng"]
+        if resumed["status"] == "diverged":
+            rec.diverge(f"the prefix diverged: {resumed['reason']}")
     try:
-        model.learn(total_timesteps=spec.steps, callback=cb, progress_bar=False)
+        if not rec.diverged:
+            model.learn(total_timesteps=spec.steps - model.num_timesteps, callback=cb, progress_bar=False,
+                        reset_num_timesteps=kind != "fork")
     except Exception as e:  # a diverged policy can crash SB3 (NaN distribution parameters) or MuJoCo
         if rec.diverged or not all_finite(model.policy.parameters()) or _numerical_blowup(e):
             rec.diverge(f"{type(e).__name__}: {str(e)[:200]}")
@@ -163,7 +217,14 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds.attrs.update(status="diverged" if rec.diverged else "ok", diverge_reason=rec.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(rec.n_updates), algo=spec.learner,
                     learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,
-                    monitor_own_steps=MONITOR_OWN_STEPS)
+                    monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind)
+    if kind == "prefix":
+        _, sha = forks.save(spec, model, {"n_updates": rec.n_updates, "train_calls": rec.train_calls,
+                                          "diag_rng": _diagnostics(cb).rng_state},
+                            ds.attrs["status"], rec.diverge_reason)
+        ds.attrs.update(checkpoint_sha256=sha)
+    elif kind == "fork":
+        ds.attrs.update(prefix_hash=forks.prefix_key(spec).spec_hash, checkpoint_sha256=resumed["sha256"])
     model.env.close()
     return ds
 
@@ -192,6 +253,9 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
         return f"keeps the rows of its perturbation by an older rule (perturbation_rows {have}, now {PERTURBATION_ROWS})"
     if spec.learner == "td3" and int(attrs.get("monitor_own_steps", 0)) != MONITOR_OWN_STEPS:
         return "sampled the delayed actor's telemetry by rows, not by its own steps (monitor_own_steps 0)"
+    if forks.role(spec) == "prefix" and attrs.get("status") in ("ok", "diverged") and not forks.has_checkpoint(spec):
+        # its forks need the checkpoint, which only training the prefix again makes
+        return f"is a prefix whose checkpoint is not in {forks.checkpoints_dir()}"
     return None
 
 

@@ -88,6 +88,8 @@ class Recorder:
         self.train_calls = 0
         self.seg_end: list[int] = [0]  # last update index of each train() call ...
         self.seg_env: list[int] = [0]  # ... and the env step it happened at
+        #: updates before this recorder's learn() call (a fork continues its prefix's numbering)
+        self.start_update = 0
         #: a weight_noise / reinit_layer happened since the last update
         self.parametric_pending = False
         self.diverged = False
@@ -131,6 +133,15 @@ class Recorder:
         self.on_policy = self.algo in ON_POLICY or not hasattr(model, "replay_buffer")
         opts = optimizers_of(model)
         self._handles.append(opts.get("critic", opts.get("policy")).register_step_post_hook(self._count))
+
+    def resume(self, n_updates: int, train_calls: int, env_step: int) -> None:
+        """Continue the numbering of an earlier ``learn()`` call (a fork): its update and
+        ``train()`` counts and the env step it ended at; before training starts."""
+        if self._model is not None:
+            raise RuntimeError("resume() a Recorder before its callbacks start")
+        self.start_update = self.n_updates = self._seen_updates = int(n_updates)
+        self.train_calls = int(train_calls)
+        self.seg_end, self.seg_env = [int(n_updates)], [int(env_step)]
 
     def _count(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.n_updates += 1
@@ -178,15 +189,16 @@ class Recorder:
             self.diverge_reason = reason
 
     def to_dataset(self) -> xr.Dataset:
-        """All rows: dim ``step`` (updates completed), coordinate ``env_step``."""
+        """All rows: dim ``step`` (updates completed; a fork's first row is its prefix's last
+        update), coordinate ``env_step``."""
         rows = {s: dict(r) for s, r in self.rows.items()}
         for s, eps in self.episode_returns.items():
             rows.setdefault(s, {})["episode_return"] = float(np.mean(eps))
         mon_ds = None
         if self.monitor is not None:
             mon_ds = self.monitor.to_dataset()
-            mon_ds = mon_ds.assign_coords(step=mon_ds.step.values + 1)
-        steps = set(rows) | {0}
+            mon_ds = mon_ds.assign_coords(step=mon_ds.step.values + 1 + self.start_update)
+        steps = set(rows) | {self.start_update}
         if mon_ds is not None:
             mon_steps = mon_ds.step.values
             if self.log_every > 1:  # rows with RL records are kept whatever their index

@@ -1,0 +1,218 @@
+"""Forks of stored RL prefixes: a fork continues exactly like the uninterrupted run, checkpoints are
+verified before they are unpickled, and they reach the workers of an existing Dask scheduler."""
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.learners.rl import forks
+from stabstudy.learners.rl import learner as rl
+from stabstudy.learners.rl.recorder import optimizers_of
+from stabstudy.seeding import seed_everything
+from stabstudy.spec import RunSpec
+
+torch.set_num_threads(1)
+
+TINY = {
+    "ppo": dict(hidden=16, n_steps=64, batch_size=32, n_epochs=2, eval_episodes=1, eval_max_steps=50),
+    "sac": dict(hidden=16, batch_size=32, learning_starts=50, eval_episodes=1, eval_max_steps=50, diag_every=5),
+    "td3": dict(hidden=16, batch_size=32, learning_starts=50, eval_episodes=1, eval_max_steps=50, diag_every=5),
+}
+P, K = 256, 192  # prefix and continuation env steps (P mid-episode: Pendulum episodes last 200 steps)
+#: Recorded channels compared bit for bit.
+EXACT = ("perf", "perf_env_step", "episode_return", "loss", "value_loss", "actor_loss", "q_mean", "entropy",
+         "approx_kl", "clip_fraction", "lr", "grad_norm_critic", "update_norm", "update_norm_actor", "adam_v_mean",
+         "adam_v_mean_actor", "adam_m_norm", "update_ratio", "ent_coef", "action_saturation")
+#: The Monitor's readings of TD3's delayed actor gradient: to float32 rounding (see the test's docstring).
+ROUNDED = ("grad_norm", "grad_norm_actor")
+
+
+@pytest.fixture(autouse=True)
+def _data(tmp_path, monkeypatch):
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
+    monkeypatch.delenv("STABSTUDY_CHECKPOINTS", raising=False)
+    monkeypatch.delenv("STABSTUDY_SCHEDULER", raising=False)
+
+
+def specs(algo, perts=(), **hp):
+    """(uninterrupted run, its fork at P) of ``P + K`` env steps."""
+    full = RunSpec("rl", algo, "Pendulum-v1", P + K, 0, hparams={**TINY[algo], **hp}, perturbations=perts,
+                   eval_every=64)
+    return full, full.replace(hparams={"prefix_steps": P})
+
+
+def test_prefix_key_drops_perturbations_and_continuation_only_hparams():
+    full, fork = specs("sac", (Perturbation("lr_spike", 300, 20, 10.0),))
+    key = forks.prefix_key(fork.replace(hparams={"noise_after_fork": -2.0}))
+    assert key.steps == P and key.perturbations == () and key.hp == {**TINY["sac"], "prefix_steps": P}
+    assert forks.role(key) == "prefix" and forks.role(fork) == "fork" and forks.role(full) == "scratch"
+    # every fork of one seed shares the prefix, whatever its perturbation and recording cadence
+    assert forks.prefix_key(specs("sac")[1].replace(eval_every=32)) == key
+    assert forks.prefix_specs([fork, specs("sac")[1], full]) == [key]
+    # the default keeps every existing spec (and hash): prefix_steps is stored only when given
+    assert "prefix_steps" not in full.hp
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (dict(perturbations=(Perturbation("lr_spike", 100, 20, 10.0),)), "start before the fork"),
+    (dict(hparams={"prefix_steps": 250}), "multiple of n_steps"),
+    (dict(hparams={"prefix_steps": 0, "noise_after_fork": 0.1}), "forks only"),
+])
+def test_forks_that_would_not_describe_one_run_are_refused(change, match):
+    with pytest.raises(ValueError, match=match):
+        rl.run(specs("ppo")[1].replace(**change))
+
+
+@pytest.mark.parametrize(("algo", "hp"), [("sac", {}), ("td3", {}), ("ppo", {}), ("ppo", {"normalize_obs": True})],
+                         ids=["sac", "td3", "ppo", "ppo-normalize_obs"])
+def test_fork_continues_exactly_like_the_uninterrupted_run(algo, hp):
+    """Bit-identical on CPU: returns, losses, learning rates, updates, Adam statistics, diagnostics.
+    The Monitor's norm of TD3's delayed actor gradient (and the combined ``grad_norm`` and ``xgrad``
+    built from it) may differ in the last float32 bit in a few rows: a float32 reduction of the
+    measurement, not of training (the actor's updates and Adam state are equal bit for bit). The
+    fork's first row has no previous gradient for ``xgrad``; it is left out of the comparison."""
+    full, fork = specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), **hp)
+    rl.run(forks.prefix_key(fork))
+    a, b = rl.run(full), rl.run(fork)
+    assert b.attrs["fork_role"] == "fork" and b.attrs["status"] == a.attrs["status"] == "ok"
+    assert b.attrs["checkpoint_sha256"] == forks.read_sidecar(forks.prefix_key(fork).spec_hash)["sha256"]
+    assert b.attrs["n_updates"] == a.attrs["n_updates"] and b.attrs["env_steps"] == a.attrs["env_steps"] == P + K
+    tail = a.sel(step=b.step.values)
+    np.testing.assert_array_equal(tail.env_step.values, b.env_step.values)
+    assert b.env_step.values[0] == P and b.perf.values[0] == b.perf.values[0]  # evaluated at the fork
+    for ch in EXACT:
+        if ch in a:
+            np.testing.assert_array_equal(tail[ch].values[1:], b[ch].values[1:], err_msg=f"{algo} {ch}")
+    for ch in ROUNDED:
+        if ch in a:
+            np.testing.assert_allclose(tail[ch].values[1:], b[ch].values[1:], rtol=1e-6, err_msg=f"{algo} {ch}")
+    for ch in [c for c in a.data_vars if str(c).startswith("xgrad")]:
+        # until every optimizer stepped once in the fork (TD3's actor: every other update) a
+        # previous gradient is missing there
+        np.testing.assert_allclose(tail[ch].values[3:], b[ch].values[3:], rtol=1e-6, err_msg=f"{algo} {ch}")
+
+
+def _state(model):
+    opts = optimizers_of(model)
+    out = {f"p.{k}": v.detach().clone() for k, v in model.policy.state_dict().items()}
+    for name, o in opts.items():
+        for i, st in enumerate(o.state.values()):
+            out.update({f"{name}.{i}.{k}": v.clone() for k, v in st.items() if torch.is_tensor(v)})
+    rb = getattr(model, "replay_buffer", None)
+    if rb is not None:
+        n = rb.pos
+        out.update({f"rb.{k}": torch.as_tensor(getattr(rb, k)[:n].copy()) for k in forks.BUFFER_ARRAYS})
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sac", "td3"])
+def test_fork_ends_in_the_same_training_state(algo):
+    """Parameters, every optimizer's state and the replay buffer after ``learn(P + K)`` equal those of
+    the prefix (trained with its callbacks, stored, restored) continued for K steps."""
+    full, fork = specs(algo)
+    seed_everything(0)
+    m1 = rl.build_model(full)
+    m1.learn(P + K)
+    rl.run(forks.prefix_key(fork))
+    m2, _ = rl.resume(fork)
+    m2.learn(K, reset_num_timesteps=False)
+    assert m1.num_timesteps == m2.num_timesteps == P + K and m1._n_updates == m2._n_updates
+    s1, s2 = _state(m1), _state(m2)
+    assert s1.keys() == s2.keys() and len(s1) > 10
+    for k in s1:
+        assert torch.equal(s1[k], s2[k]), k
+
+
+def test_checkpoint_is_stored_atomically_with_its_sha256_and_reused(tmp_path):
+    _, fork = specs("sac")
+    key = forks.prefix_key(fork)
+    ds = rl.run(key)
+    path, side = forks.checkpoint_path(key), forks.sidecar_path(key)
+    assert path.parent == tmp_path / "data" / "checkpoints" and path.name == f"{key.spec_hash}.zip"
+    meta = json.loads(side.read_text())
+    assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() == ds.attrs["checkpoint_sha256"]
+    assert meta["spec_hash"] == key.spec_hash and meta["env_steps"] == P
+    assert not [p for p in path.parent.iterdir() if p.suffix == ".tmp"]
+    # forks do not train the prefix again: the checkpoint's file is untouched
+    before = path.stat().st_mtime_ns
+    rl.run(fork)
+    rl.run(fork.replace(perturbations=(Perturbation("reward_scale", P, 50, 10.0),)))
+    assert path.stat().st_mtime_ns == before
+    # the prefix's stored run goes stale when its checkpoint is gone (its forks need it)
+    assert rl.stale(key, {"status": "ok", "monitor_own_steps": 1}) is None
+    path.unlink()
+    assert "checkpoint" in rl.stale(key, {"status": "ok", "monitor_own_steps": 1})
+
+
+def test_a_tampered_checkpoint_is_refused_before_anything_is_unpickled(tmp_path, monkeypatch):
+    _, fork = specs("td3")
+    key = forks.prefix_key(fork)
+    rl.run(key)
+    path = forks.checkpoint_path(key)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    unpickled = []
+    monkeypatch.setattr(forks.pickle, "loads", lambda *a, **k: unpickled.append(1))
+    with pytest.raises(forks.CheckpointError, match=f"{path}.*SHA-256.*refusing to load"):
+        rl.run(fork)
+    assert not unpickled
+    forks.sidecar_path(key).unlink()  # a zip without the record of its hash is not loaded either
+    with pytest.raises(FileNotFoundError, match="no sidecar"):
+        forks.read_checkpoint(key.spec_hash)
+
+
+def test_a_fork_without_checkpoint_trains_its_prefix_and_noise_applies_after_the_fork():
+    _, fork = specs("td3")
+    with pytest.warns(RuntimeWarning, match="training it here"):
+        model, extra = rl.resume(fork.replace(hparams={"noise_after_fork": 0.3}))
+    assert forks.has_checkpoint(forks.prefix_key(fork)) and extra["n_updates"] > 0
+    assert model.num_timesteps == P and np.allclose(model.action_noise._sigma, 0.3)
+
+
+def test_a_fork_of_a_diverged_prefix_is_diverged_before_its_event():
+    _, fork = specs("sac", diverge_threshold=1e-3)
+    assert rl.run(forks.prefix_key(fork)).attrs["status"] == "diverged"
+    ds = rl.run(fork.replace(perturbations=(Perturbation("lr_spike", P + 10, 10, 10.0),)))
+    assert ds.attrs["status"] == "diverged" and "prefix diverged" in ds.attrs["diverge_reason"]
+    assert ds.env_step.values.max() < P + 10  # where the prefix stopped: before the event
+
+
+@pytest.mark.notebook
+def test_forks_on_an_existing_dask_scheduler_without_a_shared_folder(tmp_path, monkeypatch):
+    """The worker keeps checkpoints in its own folder: share_checkpoints fetches what it trained and
+    sends it back to a worker that lost it; the forks computed there equal the ones computed here."""
+    from distributed import LocalCluster
+
+    from stabstudy.run.runner import close_clients, run_grid
+    from stabstudy.run.store import RunStore
+
+    worker_dir, here = tmp_path / "worker", tmp_path / "client"
+    monkeypatch.setenv("STABSTUDY_CHECKPOINTS", str(here))
+    _, fork = specs("sac")
+    grid = [fork, fork.replace(perturbations=(Perturbation("lr_spike", P + 64, 64, 30.0),))]
+    keys = forks.prefix_specs(grid)
+    store = RunStore(tmp_path / "runs")
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=":0",
+                      env={"STABSTUDY_CHECKPOINTS": str(worker_dir), "OMP_NUM_THREADS": "1"}) as cluster:
+        addr = cluster.scheduler_address
+        assert [r.status for r in run_grid(keys, scheduler=addr, store=store, progress=False)] == ["ok"]
+        assert forks.has_checkpoint(keys[0], worker_dir) and not forks.has_checkpoint(keys[0], here)
+        assert forks.share_checkpoints(keys, addr) == {"fetched": 1, "sent": 0}
+        assert forks.read_checkpoint(keys[0].spec_hash, here)[1]["sha256"] == \
+            forks.read_checkpoint(keys[0].spec_hash, worker_dir)[1]["sha256"]
+        forks.checkpoint_path(keys[0], worker_dir).unlink()
+        assert forks.share_checkpoints(keys, addr) == {"fetched": 0, "sent": 1}
+        try:
+            recs = run_grid(grid, scheduler=addr, store=store, progress=False)
+        finally:
+            close_clients()  # the runner keeps a client per address: close it with its cluster
+    assert [r.status for r in recs] == ["ok", "ok"]
+    remote = store.load(grid[1])
+    local = rl.run(grid[1])
+    np.testing.assert_array_equal(remote.perf.values, local.perf.values)
+    np.testing.assert_array_equal(remote.loss.values, local.loss.values)
