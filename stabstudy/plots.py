@@ -1,7 +1,14 @@
-"""One figure style for the whole study, and saving to ``figures/<notebook>/``."""
+"""One figure style for the whole study, and saving to ``figures/<notebook>/``.
+
+:func:`setup` makes every new figure use constrained layout (panels, labels and titles
+spaced so they do not collide); :func:`savefig` warns (:class:`OverlapWarning`) when
+text of different panels still overlaps, which an executed notebook then shows and
+``stabstudy study`` repeats on the terminal.
+"""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg without a display
@@ -15,7 +22,14 @@ def setup() -> None:
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind")
     plt.rcParams.update({"figure.dpi": 100, "savefig.dpi": 150, "savefig.bbox": "tight",
                          "axes.titlesize": "medium", "figure.autolayout": False,
+                         # constrained layout for every figure: tick labels and titles of neighbouring
+                         # panels otherwise collide (a later fig.tight_layout() replaces it, with a warning)
+                         "figure.constrained_layout.use": True,
                          "svg.hashsalt": "stabstudy"})  # fixed SVG ids: same data, same bytes
+
+
+class OverlapWarning(UserWarning):
+    """Text of different panels of a saved figure overlaps (see :func:`overlaps`)."""
 
 
 #: No creation dates in saved files, so the same data give the same bytes (published results are diffed).
@@ -23,7 +37,15 @@ _NO_DATES: dict[str, dict] = {"pdf": {"CreationDate": None, "ModDate": None}, "s
 
 
 def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] = ("png", "pdf")) -> list[Path]:
-    """Save ``fig`` as ``figures/<notebook>/<name>.<fmt>`` for each format; return the paths."""
+    """Save ``fig`` as ``figures/<notebook>/<name>.<fmt>`` for each format; return the paths.
+
+    Warns :class:`OverlapWarning` (and saves all the same) when :func:`overlaps` finds text of
+    different panels overlapping: the figure is still worth having, but needs a fix.
+    """
+    clashes = overlaps(fig)
+    if clashes:
+        more = f" (and {len(clashes) - 3} more)" if len(clashes) > 3 else ""
+        warnings.warn(f"figure {notebook}/{name}: " + "; ".join(clashes[:3]) + more, OverlapWarning, stacklevel=2)
     out = paths.figures_dir(notebook)
     out.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,129 @@ def test_study_summary_names_where_things_went(tmp_path, capsys, monkeypatch):
     assert main(["study", "--profile", "smoke", "--only", "00"]) == 0
     out = capsys.readouterr().out
     assert f"figures in {tmp_path / 'figs'}/" in out and f"runs in {tmp_path / 'data' / 'runs'}/" in out
+
+
+def _nb_with_outputs(outputs: list) -> object:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("run()")
+    cell.outputs = outputs
+    nb.cells = [cell]
+    return nb
+
+
+def _stream(name: str, text: str) -> object:
+    import nbformat
+
+    return nbformat.v4.new_output("stream", name=name, text=text)
+
+
+def test_terminal_text_keeps_what_a_terminal_shows():
+    assert study.terminal_text("\rruns: 0/3\rruns: 1/3\rruns: 3/3\n") == "runs: 3/3\n"
+    assert study.terminal_text("a\r\nb\rc\n") == "a\nc\n"
+    assert study.terminal_text("plain\nlines\n") == "plain\nlines\n"
+
+
+def test_collapse_streams_merges_bar_redraws_and_keeps_figures_in_place():
+    import nbformat
+
+    figure = nbformat.v4.new_output("display_data", data={"text/plain": "<Figure>"})
+    nb = _nb_with_outputs([
+        _stream("stderr", "\rruns:   0%| 0/60"), _stream("stdout", "stabstudy: run x failed\n"),
+        *[_stream("stderr", f"\rruns:  {i}%| {i}/60") for i in range(1, 60)],
+        _stream("stderr", "\rruns: 100%| 60/60\n"), figure, _stream("stdout", "after\n")])
+    outs = study.collapse_streams(nb).cells[0].outputs
+    assert [(o.output_type, o.get("name"), o.get("text")) for o in outs] == [
+        ("stream", "stderr", "runs: 100%| 60/60\n"), ("stream", "stdout", "stabstudy: run x failed\n"),
+        ("display_data", None, None), ("stream", "stdout", "after\n")]
+
+
+def test_warnings_in_finds_warning_lines_of_stderr_only():
+    nb = _nb_with_outputs([
+        _stream("stderr", "/x/plots.py:9: OverlapWarning: figure nb/f: panel 0 ...\n  warnings.warn(\n"),
+        _stream("stdout", "the word Warning: in a print is not one\n"), _stream("stderr", "\rruns: 1/2\n")])
+    assert study.warnings_in(nb) == ["/x/plots.py:9: OverlapWarning: figure nb/f: panel 0 ..."]
+
+
+def test_terminal_progress_draws_one_bar_per_grid_and_ignores_garbage(tmp_path, capsys, monkeypatch):
+    import time
+
+    from stabstudy.run.runner import GridProgress, write_progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: redrawn at every poll
+    f = tmp_path / "p.json"
+    t0 = time.time() - 20  # the grid started 20 s ago in the kernel
+    bars = study.TerminalProgress("02_nb", f, interval_s=60)
+    bars.poll()  # no file yet
+    f.write_text("{not json")
+    bars.poll()
+    assert bars.bar is None
+    write_progress(f, GridProgress(pid=1, grid=1, done=2, total=6, cached=2, started_at=t0, elapsed_s=0.0))
+    bars.poll()
+    first = bars.bar
+    write_progress(f, GridProgress(pid=1, grid=1, done=4, total=6, cached=2, started_at=t0, elapsed_s=20.0))
+    bars.poll()
+    assert bars.bar is first and (first.n, first.total, first.initial) == (4, 6, 2)
+    write_progress(f, GridProgress(pid=1, grid=1, done=6, total=6, cached=2, started_at=t0, elapsed_s=20.0,
+                                 finished=True))
+    bars.poll()
+    bars.poll()  # the finished grid is not reopened
+    assert bars.bar is None
+    write_progress(f, GridProgress(pid=1, grid=2, done=0, total=3, cached=0, started_at=t0 + 20,
+                                 elapsed_s=0.0))
+    bars.poll()
+    assert bars.bar is not first and bars.bar.total == 3
+    bars._close()
+    err = capsys.readouterr().err
+    assert "02_nb grid 1" in err and "6/6" in err and "02_nb grid 2" in err and "0/3" in err
+    assert "4/6 [00:20<00:20" in err  # ETA from the kernel's clock: 2 runs in 20 s, 2 to go
+
+
+def test_study_shows_grid_progress_and_stores_collapsed_streams(tmp_store, tmp_path, monkeypatch, capsys):
+    """run_study hands the kernel a progress file, draws its bar, and stores the notebook as read;
+    papermill is replaced by a fake that runs a grid in this process, as the kernel would."""
+    import nbformat
+    import papermill
+
+    from stabstudy.run import runner
+    from stabstudy.spec import RunSpec
+
+    src = tmp_path / "00_fake.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), src)
+    monkeypatch.setattr(study, "notebooks", lambda: [src])
+    monkeypatch.delenv(runner.PROGRESS_ENV, raising=False)
+    seen = {}
+
+    def fake_execute(input_path, output_path, **kw):
+        seen["env"] = os.environ.get(runner.PROGRESS_ENV)
+        specs = [RunSpec("toy", "gd", "digits", steps=10, seed=s, hparams={"lr": 0.05, "width": 8}) for s in range(2)]
+        runner.run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
+        nb = _nb_with_outputs([_stream("stderr", f"\rruns: {i}/2") for i in range(3)]
+                              + [_stream("stderr", "\n/x.py:1: UserWarning: careful\n")])
+        nbformat.write(nb, output_path)
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    study.run_study("smoke", out_dir=tmp_path / "build")
+    assert seen["env"] and runner.PROGRESS_ENV not in os.environ
+    stored = nbformat.read(tmp_path / "build" / "00_fake.ipynb", as_version=4)
+    assert [o.text for o in stored.cells[0].outputs] == ["runs: 2/2\n/x.py:1: UserWarning: careful\n"]
+    captured = capsys.readouterr()
+    assert "00_fake grid" in captured.err and "2/2" in captured.err
+    assert "00_fake printed 1 warning(s):" in captured.out and "UserWarning: careful" in captured.out
+
+
+def test_terminal_progress_in_a_log_file_draws_start_and_end_only(tmp_path, capsys):
+    """stderr no terminal (CI log): each redraw would stay in the log, so runs done in between are not drawn."""
+    import time
+
+    from stabstudy.run.runner import GridProgress, write_progress
+
+    f = tmp_path / "p.json"
+    bars = study.TerminalProgress("02_nb", f)
+    for done in range(11):
+        write_progress(f, GridProgress(pid=1, grid=1, done=done, total=10, cached=0, started_at=time.time(),
+                                       elapsed_s=0.0, finished=done == 10))
+        bars.poll()
+    err = capsys.readouterr().err
+    assert err.count("\r") == 2 and "0/10" in err and "10/10" in err

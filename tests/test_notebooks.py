@@ -6,6 +6,7 @@ import ast
 import json
 from pathlib import Path
 
+import nbformat
 import pytest
 
 from stabstudy import paths
@@ -65,6 +66,8 @@ def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch):
     executed = json.loads((tmp_path / "build" / nb.name).read_text())
     errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors
+    # a warning printed into a stored notebook (a library's, or plots.OverlapWarning) is filtered or fixed at its source
+    assert study.warnings_in(nbformat.from_dict(executed)) == []
     figures = list((tmp_path / "figures" / nb.stem).glob("*.png"))
     assert figures, f"{nb.stem} wrote no figure into figures/{nb.stem}/"
     runs = {p: p.stat().st_mtime_ns for p in (tmp_path / "data" / "runs").glob("*.nc")}

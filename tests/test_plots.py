@@ -1,6 +1,7 @@
 """Figures: panels whose labels collide are detected; saved files carry no dates."""
 
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -34,3 +35,40 @@ def test_saved_pdf_and_svg_have_no_dates(tmp_path, monkeypatch):
     plt.close(fig)
     assert first == second
     assert b"CreationDate" not in first[1] and b"<dc:date>" not in first[2]
+
+
+def _crowded(**kw) -> plt.Figure:
+    fig, axes = plt.subplots(2, 2, **kw)
+    for ax in axes.flat:
+        ax.plot([1e5, 2e5], [1e5, 2e5])
+        ax.set_title("a long panel title here")
+        ax.set_xlabel("optimizer update")
+    return fig
+
+
+def test_setup_gives_constrained_layout_which_clears_a_crowded_grid():
+    with plt.rc_context():  # setup() changes global rcParams; keep them to this test
+        plots.setup()
+        fig = _crowded(figsize=(7, 5))
+        assert fig.get_layout_engine().__class__.__name__ == "ConstrainedLayoutEngine"
+        assert plots.overlaps(fig) == []
+        plt.close(fig)
+        fig = _crowded(figsize=(7, 5), layout="none")  # the same figure without it collides
+        assert plots.overlaps(fig)
+        plt.close(fig)
+
+
+def test_savefig_warns_about_overlapping_panels_and_saves_anyway(tmp_path, monkeypatch):
+    import warnings
+
+    monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path))
+    fig = _crowded(figsize=(3, 2), layout="none")
+    with pytest.warns(plots.OverlapWarning, match=r"figure nb/crowded: panel \d .* overlaps panel \d"):
+        written = plots.savefig(fig, "nb", "crowded", formats=("png",))
+    assert [p.name for p in written] == ["crowded.png"] and written[0].stat().st_size > 0
+    plt.close(fig)
+    fig = _crowded(figsize=(8, 6), layout="constrained")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", plots.OverlapWarning)
+        plots.savefig(fig, "nb", "clean", formats=("png",))
+    plt.close(fig)

@@ -36,7 +36,9 @@ def study(tmp_path, monkeypatch):
     (tmp_path / "notebooks").mkdir()
     nb = nbformat.v4.new_notebook()
     code = nbformat.v4.new_code_cell("plot()")
-    code.outputs = [nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(_png()).decode()})]
+    bar = [nbformat.v4.new_output("stream", name="stderr", text=f"\rruns: {i:3d}%|  {i}/100") for i in range(101)]
+    code.outputs = [*bar, nbformat.v4.new_output("stream", name="stderr", text="\n"),
+                    nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(_png()).decode()})]
     code.metadata["papermill"] = {"start_time": "2026-12-01T03:00:00", "duration": 1.0}
     nb.cells = [nbformat.v4.new_markdown_cell("# Title"), code]
     nb.metadata["papermill"] = {"duration": 12.5, "end_time": "2026-12-01T03:00:12"}
@@ -59,6 +61,8 @@ def test_publish_writes_claims_pages_images_and_figures(study):
     assert any(n.startswith("00_demo_files/") and n.endswith(".png") for n in names)
     page = (out / "00_demo.md").read_text()
     assert "base64" not in page and "00_demo_files/" in page
+    # a progress bar's 101 redraws are shown as a terminal would: its last state, once
+    assert "runs:  50%" not in page and page.count("runs: 100%|  100/100") == 1 and "\r" not in page
     text = (out / "CLAIMS.md").read_text()
     assert "| 00_demo | slope = log sigma | textbook |" in text and "**supported**" in text
     assert "**not tested**" in text and "00_demo 12 s" in text and "2026-12-01T03:00:12" in text

@@ -135,3 +135,41 @@ def test_stored_provenance_is_the_producing_processes(tmp_store):
         ("9.9", "abc123", "0.0", 42)
     # and a run stored by another results version is recomputed
     assert runner.pending([s], tmp_store) == [s]
+
+
+def test_progress_file_round_trip_and_garbage_reads_as_none(tmp_path):
+    f = tmp_path / "progress.json"
+    assert runner.read_progress(f) is None  # absent
+    state = runner.GridProgress(pid=7, grid=2, done=3, total=5, cached=1, started_at=1e9, elapsed_s=4.5)
+    runner.write_progress(f, state)
+    assert runner.read_progress(f) == state
+    assert [p.name for p in tmp_path.iterdir()] == ["progress.json"]  # no temporary file left
+    for garbage in ("", "{", "[1, 2]", '{"pid": 1}', '{"pid": "x", "grid": 1, "done": 0, "total": 1, '
+                    '"cached": 0, "started_at": 0, "elapsed_s": 0}', "\x00\xff"):
+        f.write_text(garbage)
+        assert runner.read_progress(f) is None, garbage
+
+
+def test_grid_reports_its_progress_where_the_study_asks(tmp_store, tmp_path, monkeypatch):
+    """With $STABSTUDY_PROGRESS_FILE set, run_grid writes its state at the start, after each run
+    and at the end; a second grid gets the next number; unset, nothing is written."""
+    f = tmp_path / "progress.json"
+    run_grid([toy(0)], scheduler="serial", store=tmp_store, progress=False)
+    assert not f.exists()
+    monkeypatch.setenv(runner.PROGRESS_ENV, str(f))
+    written: list[runner.GridProgress] = []
+    real = runner.write_progress
+    monkeypatch.setattr(runner, "write_progress", lambda path, state: (written.append(state), real(path, state)))
+    run_grid([toy(0), toy(1), toy(2)], scheduler="serial", store=tmp_store, progress=False)
+    assert [(s.done, s.total, s.cached, s.finished) for s in written] == [
+        (1, 3, 1, False), (2, 3, 1, False), (3, 3, 1, False), (3, 3, 1, True)]
+    assert runner.read_progress(f) == written[-1]
+    run_grid([toy(0)], scheduler="serial", store=tmp_store, progress=False)
+    assert written[-1].grid == written[0].grid + 1 and written[-1].pid == written[0].pid
+
+
+def test_bar_outside_a_terminal_is_drawn_at_start_and_end_only(tmp_store, capsys):
+    """In a notebook (stderr no terminal) every redraw is stored: a grid of quick runs draws twice."""
+    run_grid([toy(s) for s in range(4)], scheduler="serial", store=tmp_store, progress=True)
+    err = capsys.readouterr().err
+    assert err.count("\r") == 2 and "0/4" in err and "4/4" in err

@@ -8,7 +8,8 @@ executed notebooks and each notebook's claims table) and ``figures/`` into
   the code version, the machine, the package versions, the date of the study and each
   notebook's wall time (all read from the executed notebooks, so regenerating the
   report from the same study gives the same bytes);
-* ``<notebook>.md`` with its images as separate PNG files in ``<notebook>_files/``;
+* ``<notebook>.md`` with its images as separate PNG files in ``<notebook>_files/`` (stream
+  outputs as a terminal shows them: a progress bar is its last state, not each redraw);
 * ``figures/<notebook>/*.png``;
 * ``manifest.json``: a content hash of every source file that made them.
 
@@ -85,7 +86,11 @@ def _render(nb: Path, out: Path) -> tuple[float, str]:
     import nbformat
     from nbconvert import MarkdownExporter
 
-    node = nbformat.read(nb, as_version=4)
+    from stabstudy.run.study import collapse_streams
+
+    # as a reader of the notebook would see it: a progress bar's redraws are one line, not dozens
+    # (`stabstudy study` stores them so already; notebooks executed otherwise may not be)
+    node = collapse_streams(nbformat.read(nb, as_version=4))
     pm = node.metadata.get("papermill", {})
     for cell in node.cells:  # papermill's per-cell timings would make every report differ
         cell.metadata.pop("papermill", None)

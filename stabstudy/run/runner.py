@@ -10,26 +10,124 @@ Scheduler choice (first that applies): the ``scheduler`` argument, the
 ``STABSTUDY_SCHEDULER`` environment variable, else an embedded
 ``LocalCluster`` with one single-threaded worker process per core.
 ``scheduler="serial"`` runs in this process without Dask (debugging, tests).
+
+Progress: one tqdm bar per grid, redrawn in place. Where ``$STABSTUDY_PROGRESS_FILE``
+is set (``stabstudy study`` sets it for each notebook's kernel), the grid's state
+(:class:`GridProgress`) is also written there, atomically, after every run, so that
+the study's terminal can show runs done / total and an ETA while the bar itself goes
+into the notebook.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import os
 import sys
 import time
 import traceback
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import xarray as xr
-from tqdm.auto import tqdm
+
+# tqdm.std, not tqdm.auto: in a kernel without ipywidgets tqdm.auto warns ("IProgress not found")
+# into every executed notebook, and with ipywidgets its widget would be stored as an unreadable
+# HBox repr; a text bar redrawn with carriage returns is what a stored notebook can show
+from tqdm.std import tqdm
 
 from stabstudy.registry import learner_for
 from stabstudy.run.store import CorruptRunError, RunStore, code_identity, version_drift
 from stabstudy.spec import RunSpec
 
 log = logging.getLogger(__name__)
+
+#: Environment variable naming the file where :func:`run_grid` reports its progress.
+PROGRESS_ENV = "STABSTUDY_PROGRESS_FILE"
+#: Seconds between redraws of the bar where stderr is not a terminal (a notebook): a stored
+#: notebook keeps every redraw, so a few are enough (the terminal's bar comes from the file).
+NOTEBOOK_MININTERVAL_S = 30.0
+_GRID_NUMBERS = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class GridProgress:
+    """State of one :func:`run_grid` call, as written to ``$STABSTUDY_PROGRESS_FILE``."""
+
+    pid: int
+    """Process running the grid (with ``grid``, tells one grid from the next)."""
+    grid: int
+    """1 for the process's first grid, 2 for its second, ..."""
+    done: int
+    """Runs finished, ``cached`` included."""
+    total: int
+    cached: int
+    """Runs found in the store when the grid started."""
+    started_at: float
+    """When the grid started, in seconds since the epoch: wall-clock time, which another process
+    on the same machine (the study's terminal) can compare with its own."""
+    elapsed_s: float
+    finished: bool = False
+
+
+def write_progress(path: str | Path, state: GridProgress) -> None:
+    """Write ``state`` to ``path`` atomically (a reader sees the old or the new state, never half)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(state)))
+    os.replace(tmp, path)
+
+
+def read_progress(path: str | Path) -> GridProgress | None:
+    """The state last written to ``path``; None when it is absent or not a :class:`GridProgress`."""
+    try:
+        d = json.loads(Path(path).read_text())
+        return GridProgress(pid=int(d["pid"]), grid=int(d["grid"]), done=int(d["done"]), total=int(d["total"]),
+                            cached=int(d["cached"]), started_at=float(d["started_at"]),
+                            elapsed_s=float(d["elapsed_s"]),
+                            finished=bool(d.get("finished", False)))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+class _Progress:
+    """A grid's tqdm bar, mirrored to ``$STABSTUDY_PROGRESS_FILE`` where that is set."""
+
+    def __init__(self, total: int, cached: int, show: bool) -> None:
+        interactive = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        # a notebook: few redraws (maxinterval too, or tqdm's monitor thread forces one every 10 s),
+        # and a fixed width, not that of whichever terminal started the kernel
+        stored = {"mininterval": NOTEBOOK_MININTERVAL_S, "maxinterval": NOTEBOOK_MININTERVAL_S, "ncols": 100}
+        self.bar = tqdm(total=total, initial=cached, desc="runs", unit="run", disable=not show,
+                        **({} if interactive else stored))
+        self.file = os.environ.get(PROGRESS_ENV) or None
+        self.grid, self.t0, self.started_at = next(_GRID_NUMBERS), time.monotonic(), time.time()
+        self.done, self.total, self.cached = cached, total, cached
+        self._report()
+
+    def update(self) -> None:
+        """One more run finished."""
+        self.done += 1
+        self.bar.update()
+        self._report()
+
+    def close(self) -> None:
+        """Draw the bar's last state and report the grid finished."""
+        self.bar.close()
+        self._report(finished=True)
+
+    def _report(self, finished: bool = False) -> None:
+        if not self.file:
+            return
+        state = GridProgress(os.getpid(), self.grid, self.done, self.total, self.cached, self.started_at,
+                             time.monotonic() - self.t0, finished)
+        try:
+            write_progress(self.file, state)
+        except OSError as e:  # the terminal's bar is a convenience: never fail a grid over it
+            log.debug("cannot write progress to %s: %s", self.file, e)
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -190,7 +288,9 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
         scheduler: Dask scheduler address, ``"serial"`` for in-process execution,
             or None for ``$STABSTUDY_SCHEDULER`` / an embedded LocalCluster.
         store: where runs live (default ``data/runs``).
-        progress: show a tqdm bar of runs done / total.
+        progress: show a tqdm bar of runs done / total (redrawn every
+            :data:`NOTEBOOK_MININTERVAL_S` where stderr is not a terminal). Progress is
+            written to ``$STABSTUDY_PROGRESS_FILE`` whenever that is set, shown or not.
         retry_failed: rerun specs stored as failed.
         n_workers: LocalCluster size (default: one per core).
 
@@ -210,7 +310,7 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
         if s.spec_hash not in todo:
             records[s.spec_hash] = RunRecord(s, statuses[s.spec_hash] or "ok", True, 0.0)
     work = [s for s in specs if s.spec_hash in todo]
-    bar = tqdm(total=len(specs), initial=len(specs) - len(work), desc="runs", unit="run", disable=not progress)
+    bar = _Progress(len(specs), len(specs) - len(work), progress)
     try:
         if not work:
             pass
@@ -249,5 +349,5 @@ def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
     return out
 
 
-__all__ = ["RunRecord", "run_grid", "execute", "pending", "get_client", "close_clients", "summarize",
+__all__ = ["RunRecord", "run_grid", "GridProgress", "PROGRESS_ENV", "write_progress", "read_progress", "execute", "pending", "get_client", "close_clients", "summarize",
            "learner_for", "results_version", "CorruptRunError"]

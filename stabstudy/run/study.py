@@ -5,11 +5,23 @@ overrides. ``smoke`` shrinks sizes for CI (minutes), ``quick`` is ``make study``
 on a 2-core machine (under 30 minutes), ``paper`` is hours on a Dask cluster. A
 profile only changes sizes, never the code path. Executed copies go to
 ``build/<profile>/``; figures to ``figures/<notebook>/``.
+
+While a notebook runs, the terminal shows papermill's cell bar and, for each
+grid the notebook runs, a bar of runs done / total with an ETA, read from the
+file the kernel's :func:`stabstudy.run.runner.run_grid` writes its progress to
+(``$STABSTUDY_PROGRESS_FILE``, set here for each notebook). The executed copy is
+then stored as a reader sees it: consecutive stream outputs merged, progress bars
+reduced to their last state (:func:`collapse_streams`); warnings it printed are
+repeated on the terminal (:func:`warnings_in`).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -63,31 +75,182 @@ def parameters_for(nb: Path, profile: str, scheduler: str | None) -> dict[str, A
     return params
 
 
+#: A carriage return not followed by a newline, with what it overwrites (the rest of its line so far).
+_OVERWRITTEN = re.compile(r"[^\n]*\r(?=[^\n])")
+#: The line a Python warning prints: ``path:line: SomeWarning: message``.
+_WARNING_LINE = re.compile(r"^.*\b\w*Warning: .*$", re.MULTILINE)
+
+
+def terminal_text(text: str) -> str:
+    """What a terminal or Jupyter shows of ``text``: a carriage return starts its line over, so a
+    progress bar redrawn in place leaves only its last state."""
+    return _OVERWRITTEN.sub("", text.replace("\r\n", "\n"))
+
+
+def collapse_streams(nb: Any) -> Any:
+    """``nb`` (an nbformat notebook) with each cell's stream outputs shown as a reader sees them.
+
+    Between two non-stream outputs (figures, tables), the pieces of stdout are merged into one
+    output and those of stderr into another (kernels send a stream in many messages, and a
+    print between two redraws of a progress bar would otherwise split it); then each is reduced
+    by :func:`terminal_text`. Figures and tables keep their place. Modifies and returns ``nb``.
+    """
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code" or not cell.get("outputs"):
+            continue
+        outputs, open_streams = [], {}
+        for out in cell.outputs:
+            if out.get("output_type") != "stream":
+                outputs.append(out)
+                open_streams = {}  # a figure or table ends the run of streams
+                continue
+            text = "".join(out.text) if isinstance(out.text, list) else out.text
+            if out.name in open_streams:
+                open_streams[out.name].text += text
+            else:
+                out.text = text
+                open_streams[out.name] = out
+                outputs.append(out)
+        for out in outputs:
+            if out.get("output_type") == "stream":
+                out.text = terminal_text(out.text)
+        cell.outputs = [o for o in outputs if o.get("output_type") != "stream" or o.text]
+    return nb
+
+
+def warnings_in(nb: Any) -> list[str]:
+    """The Python warning lines (``...: SomeWarning: ...``) that ``nb``'s cells printed to stderr."""
+    found = []
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                text = "".join(out.text) if isinstance(out.text, list) else out.text
+                found += [m.group(0).strip() for m in _WARNING_LINE.finditer(text)]
+    return found
+
+
+class TerminalProgress:
+    """One terminal tqdm bar per grid a notebook runs, polled from the kernel's progress file.
+
+    Use as a context manager around the notebook's execution; reads ``path`` every
+    ``interval_s`` seconds in a background thread. A missing or unreadable file shows nothing.
+    """
+
+    def __init__(self, notebook: str, path: Path, interval_s: float = 1.0) -> None:
+        self.notebook, self.path, self.interval_s = notebook, path, interval_s
+        self.bar: Any = None
+        self._grid: tuple[int, int] | None = None
+        self._finished: set[tuple[int, int]] = set()
+        self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"progress-{notebook}", daemon=True)
+
+    def __enter__(self) -> TerminalProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.poll()  # the grid's last state, should it have ended between two polls
+        self._close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception as e:  # a display problem must not stop the study
+                print(f"stabstudy: progress display stopped: {e}", file=sys.stderr)
+                return
+
+    def poll(self) -> None:
+        """Read the progress file once and bring the bars up to date."""
+        from tqdm.std import tqdm
+
+        from stabstudy.run.runner import NOTEBOOK_MININTERVAL_S, read_progress
+
+        state = read_progress(self.path)
+        if state is None:
+            return
+        key = (state.pid, state.grid)
+        if key in self._finished:
+            return  # the grid ended and its bar is closed; the next one has not started
+        if self.bar is None or key != self._grid:
+            self._close()
+            self._grid = key
+            # smoothing=0: the ETA comes from the mean rate over the grid (runs take seconds to minutes);
+            # a log file (stderr no terminal) keeps every redraw, so it gets one every 30 s at most
+            every = {} if self._tty else {"mininterval": NOTEBOOK_MININTERVAL_S, "maxinterval": NOTEBOOK_MININTERVAL_S}
+            self.bar = tqdm(total=state.total, initial=state.cached, desc=f"{self.notebook} grid {state.grid}",
+                            unit="run", smoothing=0, file=sys.stderr, **every)
+            # elapsed time and rate since the grid started in the kernel, not since this bar appeared
+            self.bar.start_t = self.bar.last_print_t = min(state.started_at, time.time())
+        if state.done > self.bar.n:
+            self.bar.update(state.done - self.bar.n)
+        if self._tty:
+            self.bar.refresh()  # the elapsed time ticks on between two runs
+        if state.finished:
+            self._finished.add(key)
+            self._close()
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
               out_dir: Path | None = None) -> list[tuple[str, float]]:
     """Execute the selected notebooks in order; return ``(stem, seconds)`` per notebook.
 
     Validation happens before anything is executed or written. Stops at the
     first failing notebook (papermill keeps the executed copy with the error).
+    Each executed copy is stored with :func:`collapse_streams` applied.
     """
     import papermill as pm
+
+    from stabstudy.run.runner import PROGRESS_ENV
 
     load_profile(profile)  # validate first: nothing is written for a bad profile
     selected = select(only)
     out_dir = out_dir or paths.build_dir() / profile
     out_dir.mkdir(parents=True, exist_ok=True)
     timings = []
-    env_backup = os.environ.get("MPLBACKEND")
+    env_backup = {k: os.environ.get(k) for k in ("MPLBACKEND", PROGRESS_ENV)}
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
-        for nb in selected:
-            t0 = time.perf_counter()
-            print(f"== {nb.stem} ({profile})", flush=True)
-            pm.execute_notebook(str(nb), str(out_dir / nb.name), parameters=parameters_for(nb, profile, scheduler),
-                                cwd=str(paths.root()), kernel_name="python3", progress_bar=True)
-            timings.append((nb.stem, time.perf_counter() - t0))
-            print(f"   {nb.stem}: {timings[-1][1]:.0f} s", flush=True)
+        with tempfile.TemporaryDirectory(prefix="stabstudy-progress-") as tmp:
+            for nb in selected:
+                t0 = time.perf_counter()
+                print(f"== {nb.stem} ({profile})", flush=True)
+                progress = Path(tmp) / f"{nb.stem}.json"
+                os.environ[PROGRESS_ENV] = str(progress)  # the kernel inherits it
+                try:
+                    with TerminalProgress(nb.stem, progress):
+                        pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
+                                            parameters=parameters_for(nb, profile, scheduler),
+                                            kernel_name="python3", progress_bar=True)
+                finally:  # a failed notebook's executed copy is read too
+                    _tidy(out_dir / nb.name)
+                timings.append((nb.stem, time.perf_counter() - t0))
+                print(f"   {nb.stem}: {timings[-1][1]:.0f} s", flush=True)
     finally:
-        if env_backup is None:
-            os.environ.pop("MPLBACKEND", None)
+        for k, v in env_backup.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return timings
+
+
+def _tidy(executed: Path) -> None:
+    """Store ``executed`` with :func:`collapse_streams` applied and repeat its warnings on the terminal."""
+    import nbformat
+
+    if not executed.exists():
+        return
+    node = collapse_streams(nbformat.read(executed, as_version=4))
+    nbformat.write(node, executed)
+    found = warnings_in(node)
+    if found:
+        print(f"   {executed.stem} printed {len(found)} warning(s):", *found, sep="\n     ", flush=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 import xarray as xr
-from tqdm.auto import tqdm
+from tqdm.std import tqdm  # not tqdm.auto: without ipywidgets it warns into every executed notebook
 
 from stabstudy.analysis.warning import detectors as D
 from stabstudy.analysis.warning import features as F
@@ -166,7 +166,7 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
     need = _needed(feats)
     out = np.full((len(specs), ds.sizes["run"], ds.sizes["step"]), np.nan)
     runs = ds["run"].values
-    for i, run in enumerate(tqdm(runs, desc="detectors", disable=not progress)):
+    for i, run in enumerate(tqdm(runs, desc="detectors", disable=not progress, mininterval=10)):  # few redraws
         data = _channels(ds, run, need)
         cols = {f: F.column(data, f) for f in set(feats) if _needed([f]) <= set(data)}
         for j, sp in enumerate(specs):
