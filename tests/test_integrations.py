@@ -194,3 +194,251 @@ def test_readme_to_frame_example(tmp_path, monkeypatch, capsys):
     df = ns["df"]
     assert list(df.columns) == ["step", "channel", "layer", "value"]
     assert "grad_norm" in capsys.readouterr().out
+
+
+# -- run segments (checkpoint state of the framework callbacks) -----------------------------
+def test_run_segments_state_survives_weights_only_load(tmp_path):
+    from stabstudy.instruments.integrations.segments import RunSegments
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+
+    def steps(run: RunSegments, n: int, log: str | None = None) -> None:
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)  # a resume builds a new optimizer
+        mon = run.attach(model, opt)
+        for _ in range(n):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            if log:
+                mon.log(**{log: loss.detach()})
+
+    first = RunSegments(per_layer=True)
+    steps(first, 3, log="loss")
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    second = RunSegments(per_layer=True)
+    second.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    assert second.rows == 3
+    steps(second, 2, log="other")
+    ds = second.dataset()
+    assert ds.step.values.tolist() == [0, 1, 2, 3, 4]
+    assert ds.loss.notnull().values.tolist() == [True, True, True, False, False]
+    assert ds.other.notnull().values.tolist() == [False, False, False, True, True]
+    assert ds.layer_grad_norm.shape == (5, 4) and ds.layer_grad_norm.notnull().all()
+    np.testing.assert_array_equal(ds.grad_norm.values[:3], first.dataset().grad_norm.values)
+    assert np.isnan(ds.xgrad.values[3]) and np.isfinite(ds.xgrad.values[4])  # no previous gradient after a resume
+    assert ds.grad_norm.dtype == np.float64 and ds.attrs["monitor_every"] == 1
+    with pytest.raises(ValueError, match="format"):
+        second.load_state_dict({"format": 99})
+
+
+# -- PyTorch Lightning --------------------------------------------------------------------
+def _lightning_module():
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(0)
+    return pl, Tiny()
+
+
+def _lightning_loader():
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 1, generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=8)  # three updates an epoch, same order each
+
+
+def _lightning_fit(tmp_path, name: str, max_epochs: int, ckpt_path=None, log_with="log_dict", **trainer_kwargs):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from stabstudy.instruments.integrations.lightning import LightningTelemetryCallback
+
+    pl, model = _lightning_module()
+    cb = LightningTelemetryCallback(log_with=log_with)
+    trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[cb, *trainer_kwargs.pop("callbacks", [])],
+                         logger=CSVLogger(str(tmp_path), name=name), accelerator="cpu", enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), **trainer_kwargs)
+    trainer.fit(model, _lightning_loader(), ckpt_path=ckpt_path)
+    return cb, trainer
+
+
+@pytest.mark.parametrize("log_with", ["log_dict", "loggers"])
+def test_lightning_callback_logs_channels_at_log_every_n_steps(tmp_path, log_with):
+    cb, trainer = _lightning_fit(tmp_path, "logs", max_epochs=2, log_with=log_with, log_every_n_steps=2)
+    ds = cb.dataset()
+    assert ds.step.values.tolist() == list(range(6))
+    assert ds.grad_norm.notnull().all() and ds.loss.notnull().all() and ds.adam_v_mean.notnull().all()
+    assert cb.monitor is not None and not cb.monitor._handles  # closed at the end of training: hooks removed
+    metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
+    logged = metrics.dropna(subset=["stability/grad_norm"])
+    assert logged.step.tolist() == [1, 3, 5]  # every second update, as Lightning writes its logs
+    np.testing.assert_allclose(logged["stability/grad_norm"], ds.grad_norm.values[[1, 3, 5]], rtol=1e-6)
+    np.testing.assert_allclose(logged["stability/loss"], ds.loss.values[[1, 3, 5]], rtol=1e-6)
+    assert "stability/update_ratio" in metrics and "stability/layer_grad_norm" not in metrics
+    assert (log_with == "log_dict") == ("stability/grad_norm" in trainer.callback_metrics)  # for ModelCheckpoint
+
+
+def test_lightning_callback_rejects_unknown_log_with():
+    pytest.importorskip("lightning")
+    from stabstudy.instruments.integrations.lightning import LightningTelemetryCallback
+
+    with pytest.raises(ValueError, match="log_with"):
+        LightningTelemetryCallback(log_with="stdout")
+
+
+def test_lightning_checkpoint_resume_continues_the_run(tmp_path):
+    pytest.importorskip("lightning")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole, _ = _lightning_fit(tmp_path, "whole", max_epochs=2, log_every_n_steps=1)
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True)
+    first, _ = _lightning_fit(tmp_path, "first", max_epochs=1, callbacks=[ckpt], log_every_n_steps=1)
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["callbacks"]
+    assert [v["rows"] for k, v in state.items() if "LightningTelemetryCallback" in k] == [3]
+    resumed, _ = _lightning_fit(tmp_path, "resumed", max_epochs=2, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"),
+                                log_every_n_steps=1)
+    a, b = whole.dataset(), resumed.dataset()
+    assert b.step.values.tolist() == list(range(6))
+    np.testing.assert_array_equal(b.grad_norm.values[:3], first.dataset().grad_norm.values)
+    for ch in ("grad_norm", "update_ratio", "adam_m_norm", "loss"):  # the same run as without the interruption
+        np.testing.assert_allclose(b[ch].values, a[ch].values, rtol=1e-5, err_msg=ch)
+    assert np.isnan(b.xgrad.values[[0, 3]]).all() and np.isfinite(b.xgrad.values[[1, 2, 4, 5]]).all()
+
+
+# -- Hugging Face transformers --------------------------------------------------------------
+def _hf_train(out: Path, max_steps: int, resume: bool = False, **args_kwargs):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from stabstudy.instruments.integrations.hf import HFTelemetryCallback
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)  # random weights: nothing is downloaded
+    ids = torch.randint(0, 32, (24, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    # constant lr, no clipping: a run cut at step 3 and resumed is the run of 6 steps
+    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
+                             learning_rate=1e-2, lr_scheduler_type="constant", max_grad_norm=100.0, seed=0,
+                             report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+                             **{"logging_steps": 2, "save_steps": 100, **args_kwargs})
+    cb = HFTelemetryCallback()
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return cb, trainer
+
+
+def test_hf_callback_adds_channels_to_the_trainer_logs(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cb, trainer = _hf_train(tmp_path / "out", 6)
+    ds = cb.dataset()
+    assert ds.step.values.tolist() == list(range(6))
+    assert ds.grad_norm.notnull().all() and ds.adam_eps_frac.notnull().all()
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in train_logs] == [2, 4, 6]
+    for h in train_logs:  # the row of the update that brought global_step to h["step"]
+        row = ds.sel(step=h["step"] - 1)
+        assert h["stability/grad_norm"] == pytest.approx(float(row.grad_norm), rel=1e-9)
+        assert h["stability/grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-5)  # the Trainer's own, unclipped
+        assert h["stability/update_ratio"] == pytest.approx(float(row.update_ratio), rel=1e-9)
+    summary = trainer.state.log_history[-1]
+    assert "train_runtime" in summary and not any(k.startswith("stability/") for k in summary)
+    assert cb.monitor is not None and not cb.monitor._handles
+
+
+def test_hf_checkpoint_resume_continues_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    whole, _ = _hf_train(tmp_path / "whole", 6)
+    first, _ = _hf_train(tmp_path / "cut", 3, save_steps=3)
+    assert (tmp_path / "cut" / "checkpoint-3" / "telemetry_state.pt").is_file()
+    resumed, _ = _hf_train(tmp_path / "cut", 6, resume=True, save_steps=3)
+    a, b = whole.dataset(), resumed.dataset()
+    assert b.step.values.tolist() == list(range(6))
+    np.testing.assert_array_equal(b.grad_norm.values[:3], first.dataset().grad_norm.values)
+    for ch in ("grad_norm", "update_ratio", "adam_m_norm", "lr"):
+        np.testing.assert_allclose(b[ch].values, a[ch].values, rtol=1e-4, err_msg=ch)
+    assert np.isnan(b.xgrad.values[[0, 3]]).all() and np.isfinite(b.xgrad.values[[1, 2, 4, 5]]).all()
+
+
+def test_hf_resume_without_telemetry_state_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _hf_train(tmp_path / "cut", 3, save_steps=3)
+    (tmp_path / "cut" / "checkpoint-3" / "telemetry_state.pt").unlink()
+    with pytest.warns(UserWarning, match="without"):
+        resumed, _ = _hf_train(tmp_path / "cut", 5, resume=True, save_steps=100)
+    assert resumed.dataset().step.values.tolist() == [3, 4]  # the steps before are not invented
+
+
+# -- framework examples in the README -----------------------------------------------------
+def test_lightning_example(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("lightning")
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(_readme_block("LightningTelemetryCallback"), "README:lightning", "exec"), ns)
+    assert ns["ds"].sizes["step"] == 40
+    logs = [p for p in (tmp_path / "lightning_logs").iterdir() if p.is_dir()]
+    assert len(logs) == 1
+    assert [e.step for e in _scalars(logs[0])["stability/grad_norm"]] == [9, 19, 29, 39]
+    assert "[" in capsys.readouterr().out
+
+
+def test_hf_example(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    ns: dict = {}
+    exec(compile(_readme_block("HFTelemetryCallback"), "README:hf", "exec"), ns)
+    assert ns["ds"].sizes["step"] == 20
+    found: dict = {}
+    for d in {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}:
+        found.update(_scalars(d))
+    assert [e.step for e in found["train/stability/grad_norm"]] == [5, 10, 15, 20]
+
+
+def test_summary_writer_gets_one_event_per_row_from_a_background_thread(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    class Prefixed(SummaryWriter):  # changes add_scalar: the sink must keep calling it
+        def add_scalar(self, tag, value, global_step=None, **kw):
+            super().add_scalar("p/" + tag, value, global_step, **kw)
+
+    plain, prefixed = SummaryWriter(str(tmp_path / "plain")), Prefixed(str(tmp_path / "prefixed"))
+    for w in (plain, prefixed):
+        mon = _train({"writer": w, "sync_every": 4}, steps=6)
+        assert (mon._sink._background is not None) == (w is plain)
+        mon.close()
+        w.close()
+    assert [e.step for e in _scalars(tmp_path / "prefixed")["p/stability/grad_norm"]] == list(range(6))
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    events = [e for f in (tmp_path / "plain").glob("events.*") for e in EventFileLoader(str(f)).Load()
+              if e.summary.value]
+    assert [e.step for e in events] == list(range(6))  # one event per row, all channels in it
+    assert {v.tag for v in events[0].summary.value} >= {"stability/grad_norm", "stability/loss"}
+
+    broken = SummaryWriter(str(tmp_path / "broken"))
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    broken._get_file_writer().add_summary = fail
+    mon = _train({"writer": broken, "sync_every": 2}, steps=3)
+    with pytest.raises(RuntimeError, match="writer failed") as err:
+        mon.close()
+    assert isinstance(err.value.__cause__, OSError)
+    broken.close()
