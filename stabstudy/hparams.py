@@ -20,6 +20,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
+#: Closed-loop controllers and comparators a toy or LM run can attach (stabstudy.interventions.control).
+ControllerName = Literal["none", "z_skip", "z_lr", "z_adam", "z_rollback", "z_clip", "olmo", "zclip", "clip1",
+                         "nonfinite"]
+
 
 @dataclass(frozen=True)
 class ToyHParams:
@@ -67,6 +71,16 @@ class ToyHParams:
     """synthetic task: input dimension"""
     synthetic_out: int = 4
     """synthetic task: output dimension"""
+    controller: ControllerName = "none"
+    """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
+    controller_threshold: float = 0.0
+    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
+    controller_window: int = 64
+    """trailing steps of the controller's robust z"""
+    controller_backoff: float = 0.1
+    """lr factor of the controller's lr back-off at an alarm"""
+    controller_recovery: int = 50
+    """steps over which the lr back-off recovers linearly to 1"""
 
 
 @dataclass(frozen=True)
@@ -129,8 +143,20 @@ class GPTHParams:
     """dynamic loss scaling with torch.amp.GradScaler"""
     scaler_growth_interval: int = 2000
     """clean steps before the GradScaler doubles its scale (torch default 2000)"""
+    skip_nonfinite_loss: bool = False
+    """with grad_scaler: a non-finite loss is skipped like an inf/NaN gradient (scale halved), not divergence"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to train: auto = CUDA when present"""
+    controller: ControllerName = "none"
+    """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
+    controller_threshold: float = 0.0
+    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
+    controller_window: int = 64
+    """trailing steps of the controller's robust z"""
+    controller_backoff: float = 0.1
+    """lr factor of the controller's lr back-off at an alarm"""
+    controller_recovery: int = 50
+    """steps over which the lr back-off recovers linearly to 1"""
 
 
 @dataclass(frozen=True)

@@ -163,8 +163,10 @@ DOMAIN_CHANNELS: dict[str, dict[str, str]] = {
         "skipped_step": "1 where the scaler skipped the step", "lost_update_frac": "share of updates rounded away",
         "fp16_headroom": "headroom of the largest logit below float16's limit",
         "adam_state_nonfinite": "non-finite Adam state entries",
+        "action": "code of the controller's action (0 none; interventions.control.ACTION_CODES)",
     },
-    "toy": {"test_loss": "loss on held-out data", "train_acc": "training accuracy (classification)"},
+    "toy": {"test_loss": "loss on held-out data", "train_acc": "training accuracy (classification)",
+            "action": "code of the controller's action (0 none; interventions.control.ACTION_CODES)"},
     "seq": {"test_loss": "loss on held-out data", "grad_norm_raw": "gradient norm before clipping",
             "clipped": "1 where clipping scaled the gradient down"},
 }

@@ -109,3 +109,32 @@ def test_table_keeps_a_not_supported_verdict_that_rests_on_the_opposite_test():
     assert [c.verdict for c in rows] == ["not supported"] * 4
     assert all(c.p < 0.01 and "opposite direction p" in c.reason for c in rows)
     assert list(C.table(rows).verdict) == ["not supported"] * 4
+
+
+def test_paired_outcomes_is_an_exact_mcnemar_test():
+    from statsmodels.stats.contingency_tables import mcnemar
+
+    control = [1] * 8 + [0] * 4  # collapse without the controller
+    treated = [0] * 7 + [1] + [0] * 4  # with it: 7 prevented, none caused
+    c = C.paired_outcomes("prevents", "our own", treated, control)
+    assert c.verdict == "supported" and c.n == 12 and c.effect == pytest.approx(1 / 12 - 8 / 12)
+    assert c.p == pytest.approx(0.5 ** 7)
+    two_sided = mcnemar(np.array([[1, 7], [0, 4]]), exact=True).pvalue  # rows: control, cols: treated
+    assert min(1.0, 2 * c.p) == pytest.approx(two_sided)
+    # the controller causing the collapses: evidence against the claim
+    worse = C.paired_outcomes("prevents", "our own", control, treated)
+    assert worse.verdict == "not supported" and worse.p == pytest.approx(0.5 ** 7)
+    # no discordant pair, missing data, too few pairs
+    assert C.paired_outcomes("prevents", "our own", control, control).verdict == "inconclusive"
+    assert C.paired_outcomes("prevents", "our own", [np.nan] * 3, [1, 1, 1]).verdict == "not tested"
+    assert C.paired_outcomes("prevents", "our own", [], []).verdict == "not tested"
+    assert C.paired_outcomes("prevents", "our own", [0, 0], [1, 1]).verdict == "inconclusive"
+
+
+def test_rate_below_a_budget():
+    ok = C.rate_below("few false alarms", "our own", 0, 3000, 0.002, scale=1000)
+    assert ok.verdict == "supported" and ok.effect == 0 and ok.ci[1] < 2
+    bad = C.rate_below("few false alarms", "our own", 30, 3000, 0.002, scale=1000)
+    assert bad.verdict == "not supported" and bad.effect == pytest.approx(10)
+    assert C.rate_below("few false alarms", "our own", 1, 300, 0.002).verdict == "inconclusive"
+    assert C.rate_below("few false alarms", "our own", 0, 0, 0.002).verdict == "not tested"

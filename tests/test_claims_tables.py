@@ -306,10 +306,13 @@ def _prec(for_claims: bool, n: int = 6):
                 broke = over and (no_scaler == for_claims)
                 damage = {"float32": 0.5, "fp16_autocast_scaler": 0.0}.get(p, 0.0) if for_claims else \
                     {"float32": 0.0, "fp16_autocast_scaler": 0.5}.get(p, 0.0)
+                # for: the scaler-free run diverges (not recovered), the scaler's run does; against: the reverse
+                recovered = (0.0 if no_scaler == for_claims else 1.0) if over else np.nan
                 b.append(dict(precision=p, pert_dose=d, seed=i, nonfinite_steps=int(over or (pert and not for_claims)),
                               adam_state_nonfinite_max=10.0 if broke else 0.0, status="diverged" if broke else "ok",
                               skipped_steps=int(over and p == "fp16_autocast_scaler"),
-                              final_loss=2.0 + (damage if pert else 0.0) + 0.01 * rng.random()))
+                              final_loss=2.0 + (damage if pert else 0.0) + 0.01 * rng.random(),
+                              recovered=recovered, recovery_window=50))
     rho = pd.DataFrame([dict(precision="bf16_pure", seed=i, rho=(-0.8 if for_claims else 0.8) + 0.05 * i, p=0.01)
                         for i in range(n)])
     logit = []
@@ -331,7 +334,7 @@ def test_precision_missing_data_gives_no_verdict():
     assert set(verdicts(precision.claims_table(empty, empty, empty, empty)).values()) <= MISSING
     a, b, rho, logit = _prec(True)
     a[["final_loss", "status"]] = np.nan
-    b[["final_loss", "nonfinite_steps", "adam_state_nonfinite_max", "skipped_steps", "status"]] = np.nan
+    b[["final_loss", "nonfinite_steps", "adam_state_nonfinite_max", "skipped_steps", "status", "recovered"]] = np.nan
     rho["rho"] = np.nan
     logit[["headroom0", "headroom_peak", "headroom_naive0"]] = np.nan
     logit["status"] = None
@@ -340,16 +343,28 @@ def test_precision_missing_data_gives_no_verdict():
 
 def test_precision_claims_for_and_against():
     v = verdicts(precision.claims_table(*_prec(True), equivalence_margin=0.02))
-    assert find(v, "after an fp16 overflow reaches Adam") == "not tested"  # the learner stops: cannot fail
-    del v[next(k for k in v if k.startswith("after an fp16 overflow reaches Adam"))]
     assert set(v.values()) == {"supported"}, v
+    assert "within 50 steps" in next(k for k in v if k.startswith("after an fp16 overflow reaches Adam"))
     v = verdicts(precision.claims_table(*_prec(False), equivalence_margin=0.02))
     for start in ("bf16 autocast reaches float32", "fp16 autocast without loss scaling", "an fp16 overflow corrupts",
-                  "with GradScaler the same overflow", "skipping the overflowing step", "pure bf16 storage erases",
+                  "after an fp16 overflow reaches Adam", "with GradScaler the same overflow",
+                  "skipping the overflowing step", "pure bf16 storage erases",
                   "pure bf16 ends worse", "the float32 twin's fp16 headroom", "a longer context"):
         assert find(v, start) == "not supported", start
     assert find(v, "bfloat16 keeps float32's range") in MISSING  # both overflow: no difference either way
     assert find(v, "pure fp16 Adam") == "inconclusive"  # neither diverges
+
+
+def test_precision_recovery_needs_a_recovery_measurement_and_both_groups():
+    a, b, rho, logit = _prec(True)
+    v = verdicts(precision.claims_table(a, b.drop(columns=["recovered", "recovery_window"]), rho, logit))
+    assert find(v, "after an fp16 overflow reaches Adam") == "not tested"  # run_summary without recovery_window
+    b.loc[b.precision == "fp16_autocast_scaler", "recovered"] = np.nan  # no verdict for the scaler's runs
+    v = verdicts(precision.claims_table(a, b, rho, logit))
+    assert find(v, "after an fp16 overflow reaches Adam") == "not tested"
+    b.loc[(b.precision == "fp16_autocast_scaler") & (b.seed == 0), "recovered"] = 1.0  # two cells: too few
+    v = verdicts(precision.claims_table(a, b, rho, logit))
+    assert find(v, "after an fp16 overflow reaches Adam") == "inconclusive"
 
 
 @pytest.mark.parametrize("margin", [0.02, 0.05])

@@ -280,3 +280,20 @@ def test_training_loop_does_not_synchronise_with_the_host(monkeypatch):
         torch.cuda.set_sync_debug_mode(0)
     assert ds.attrs["status"] == "ok" and np.isfinite(ds.loss.values).all()
     assert np.isfinite(ds.grad_norm.values).all() and np.isfinite(ds.xgrad.values[1:]).all()
+
+
+def test_scaler_skips_a_nonfinite_loss_only_when_asked():
+    # a large init overflows float16 logits but not float32: three float16 steps give a non-finite loss
+    switch = [Perturbation("precision_switch", 8, 3, params={"dtype": "float16"})]
+    stop = lm.run(spec(steps=20, perts=switch, init_scale=1000.0, grad_scaler=True))
+    assert stop.attrs["status"] == "diverged" and stop.sizes["step"] == 9 and np.isnan(stop.loss.values[8])
+    go = lm.run(spec(steps=20, perts=switch, init_scale=1000.0, grad_scaler=True, skip_nonfinite_loss=True))
+    assert go.attrs["status"] == "ok" and go.sizes["step"] == 20
+    np.testing.assert_array_equal(go.loss.values[:8], stop.loss.values[:8])
+    assert not np.isfinite(go.loss.values[8:11]).any() and np.isfinite(go.loss.values[11:]).all()
+    assert go.skipped_step.values.tolist() == [0.0] * 8 + [1.0] * 3 + [0.0] * 9
+    assert (go.nonfinite_grads.values[8:11] > 0).all() and (go.nonfinite_grads.values[11:] == 0).all()
+    assert go.loss_scale.values[[8, 9, 10, 11]].tolist() == [2.0**16, 2.0**15, 2.0**14, 2.0**13]
+    assert go.adam_state_nonfinite.values.max() == 0  # the skipped steps never reached AdamW
+    with pytest.raises(ValueError, match="skip_nonfinite_loss needs grad_scaler"):
+        lm.run(spec(steps=5, autocast_dtype="float16", skip_nonfinite_loss=True))

@@ -223,6 +223,13 @@ def test_lm_fp16_overflow_without_scaler_diverges_and_is_stored(tmp_store):
     assert s.loc["fp16_autocast_scaler", "adam_state_nonfinite_max"] == 0
     # bfloat16 has float32's range: no overflow at all
     assert s.loc["bf16_autocast", "nonfinite_steps"] == 0
+    # recovery: the diverged run cannot come back, the skipped step never took the loss out of its band
+    r = study.run_summary(runs, recovery_window=10).set_index("precision")
+    assert r.loc["fp16_autocast", "recovery_state"] == "diverged" and r.loc["fp16_autocast", "recovered"] == 0
+    assert r.loc["fp16_autocast_scaler", "overflow_step"] == 12
+    assert r.loc["fp16_autocast_scaler", "recovery_state"] == "never_left"
+    assert r.loc["fp16_autocast_scaler", "recovered"] == 1
+    assert r.loc["bf16_autocast", "recovery_state"] == "no_overflow" and np.isnan(r.loc["bf16_autocast", "recovered"])
 
 
 def test_lm_scaler_grows_and_same_seed_same_trajectory():
@@ -255,6 +262,53 @@ def test_lm_large_init_overflows_fp16_attention_logits(tmp_store):
     assert t.loc[("float32", 1000.0), "status"] == "ok"
     assert t.loc[("fp16_autocast", 1000.0), "status"] == "diverged"
     assert t.loc[("fp16_autocast", 1.0), "status"] == "ok"
+
+
+def _recovery_run(loss, nonfinite_at=(20,), status="ok", recorded=60):
+    """One load_runs-shaped run of 60 steps: ``loss`` (NaN at a step = a non-finite loss), padded after ``recorded``."""
+    import xarray as xr
+
+    loss = np.asarray(loss, dtype=float)
+    lr = np.where(np.arange(60) < recorded, 1e-3, np.nan)
+    nf = np.zeros(60)
+    nf[list(nonfinite_at)] = 5.0
+    nf[recorded:] = np.nan
+    return xr.Dataset({"loss": ("step", np.where(np.arange(60) < recorded, loss, np.nan)), "lr": ("step", lr),
+                       "nonfinite_grads": ("step", nf)}, coords={"step": np.arange(60), "status": status})
+
+
+@pytest.mark.parametrize(("case", "state", "recovered", "time"), [
+    ("flat", "never_left", 1.0, 0.0),
+    ("spike", "recovered", 1.0, 5.0),
+    ("stuck", "not_recovered", 0.0, math.inf),
+    ("skipped_forward", "recovered", 1.0, 3.0),
+    ("diverged", "diverged", 0.0, math.inf),
+    ("diverged_after_window", "never_left", 1.0, 0.0),
+    ("short", "unobserved", math.nan, math.nan),
+    ("clean", "no_overflow", math.nan, math.nan),
+])
+def test_overflow_recovery_states(case, state, recovered, time):
+    loss = np.full(60, 2.0)
+    kw = {}
+    if case == "spike":
+        loss[20:25] = 5.0
+    elif case in ("stuck", "short"):
+        loss[20:] = 5.0
+        kw = {"recorded": 35} if case == "short" else {}
+    elif case == "skipped_forward":  # the scaler skipped three steps whose loss was non-finite
+        loss[20:23] = np.nan
+        kw = {"nonfinite_at": ()}
+    elif case == "diverged":
+        kw = {"status": "diverged", "recorded": 21}
+    elif case == "diverged_after_window":
+        kw = {"status": "diverged", "recorded": 50}
+    elif case == "clean":
+        kw = {"nonfinite_at": ()}
+    out = study.overflow_recovery(_recovery_run(loss, **kw), window=20)
+    assert out["recovery_state"] == state
+    np.testing.assert_equal((out["recovered"], out["recovery_time"]), (recovered, time))
+    np.testing.assert_equal(out["overflow_step"], math.nan if case == "clean" else 20.0)
+    assert out["recovery_window"] == 20
 
 
 def test_grid_builders_and_labels():
@@ -349,7 +403,7 @@ def test_precision_claims_table_verdicts_follow_the_data():
     t = C.table(study.claims_table(*_claims_inputs())).set_index("claim").verdict
     v = {k.split(" (")[0]: x for k, x in t.items()}
     assert v["an fp16 overflow corrupts Adam's state without a scaler but not with GradScaler"] == "supported"
-    assert v["after an fp16 overflow reaches Adam"] == "not tested"  # the learner stops: it could not fail
+    assert v["after an fp16 overflow reaches Adam"] == "not tested"  # no recovery_window: no recovery measured
     assert v["with GradScaler the same overflow is skipped and training finishes more often than without a scaler"] \
         == "supported"
     assert v["skipping the overflowing step"] == "supported"

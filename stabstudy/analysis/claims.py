@@ -13,7 +13,8 @@ Tests:
   seed), Welch's t-test otherwise, with a bootstrap interval (``scipy.stats.bootstrap``);
 * equivalence: two one-sided tests (TOST) against a stated margin, never "the
   interval contains zero";
-* proportions: Boschloo's exact test; rates with Clopper-Pearson intervals;
+* proportions: Boschloo's exact test; rates with Clopper-Pearson intervals; paired binary
+  outcomes (collapse with vs without a controller): the exact McNemar test;
 * correlations: Spearman's rho with a bootstrap interval; "no correlation" is an
   equivalence claim (the interval inside +-margin);
 * closed forms: measured values within a relative tolerance of their target.
@@ -236,6 +237,26 @@ def rate_ci(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def rate_below(claim: str, source: str, k: int, n: int, target: float, *, alpha: float = 0.05, min_n: int = 3,
+               scale: float = 1.0, unit: str = "") -> Claim:
+    """Claim: the rate ``k / n`` is at most ``target`` (e.g. false interventions per step under a
+    budget): the exact binomial test, one-sided. Supported when ``k`` is significantly below
+    ``target * n``, not supported when significantly above; ``effect`` and the Clopper-Pearson
+    interval are in ``scale`` units (1000: per 1,000)."""
+    test = f"exact binomial vs {target * scale:g}{' ' + unit if unit else ''}"
+    if (early := _too_few(claim, source, int(n), min_n, test)) is not None:
+        return early
+    p_for = float(sps.binomtest(int(k), int(n), target, alternative="less").pvalue)
+    p_against = float(sps.binomtest(int(k), int(n), target, alternative="greater").pvalue)
+    lo, hi = rate_ci(k, n, 1 - 2 * alpha)
+    verdict = _directional(p_for, p_against, alpha)
+    reason = (f"{k}/{n} = {scale * k / n:.3g}{' ' + unit if unit else ''}, {100 * (1 - 2 * alpha):.0f}% CI "
+              f"[{scale * lo:.3g}, {scale * hi:.3g}] (Clopper-Pearson) vs {target * scale:g}, one-sided p = "
+              f"{p_for:.3g}{_against(verdict, p_against)}")
+    return Claim(claim, source, verdict, reason, scale * k / n, (scale * lo, scale * hi), int(n), test,
+                 _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
+
+
 def rate_comparison(claim: str, source: str, k_treated: int, n_treated: int, k_control: int, n_control: int,
                     *, direction: Direction = "greater", alpha: float = 0.05, min_n: int = 3) -> Claim:
     """Claim: the rate ``k_treated / n_treated`` is ``direction`` than ``k_control / n_control`` (Boschloo)."""
@@ -254,6 +275,39 @@ def rate_comparison(claim: str, source: str, k_treated: int, n_treated: int, k_c
               f"[{c0[0]:.2f}, {c0[1]:.2f}] (Clopper-Pearson), one-sided p = {p_for:.3g}"
               f"{_against(verdict, p_against)}")
     return Claim(claim, source, verdict, reason, r1 - r0, (NAN, NAN), int(n_treated + n_control), test,
+                 _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
+
+
+def paired_outcomes(claim: str, source: str, treated: Sequence[float], control: Sequence[float], *,
+                    direction: Direction = "less", alpha: float = 0.05, min_n: int = 3) -> Claim:
+    """Claim: a binary outcome (1 = e.g. collapse) is ``direction`` frequent with treatment than
+    without, over pairs (same seed, same data order): the exact McNemar test, one-sided.
+
+    Only discordant pairs inform it: ``b`` pairs with the outcome under control only, ``c`` under
+    treatment only; one-sided p = P(Binomial(b + c, 1/2) >= b) for ``less`` (the two-sided p is
+    ``statsmodels``' exact McNemar). Pairs with a missing (NaN) member are dropped; no discordant
+    pair gives p = 1 (inconclusive). ``effect`` is the paired difference of rates, treated minus control.
+    """
+    t, c = np.asarray(treated, dtype=float).ravel(), np.asarray(control, dtype=float).ravel()
+    if t.shape != c.shape:
+        raise ValueError(f"paired samples differ in length: {t.size} vs {c.size}")
+    keep = np.isfinite(t) & np.isfinite(c)
+    t, c = t[keep] > 0.5, c[keep] > 0.5
+    test = "exact McNemar (one-sided)"
+    if (early := _too_few(claim, source, int(t.size), min_n, test)) is not None:
+        return early
+    b, cc = int(np.sum(c & ~t)), int(np.sum(t & ~c))  # outcome under control only / under treatment only
+    fewer, more = (b, cc) if direction == "less" else (cc, b)
+    if fewer + more == 0:
+        p_for = p_against = 1.0
+    else:
+        p_for = float(sps.binomtest(fewer, fewer + more, 0.5, alternative="greater").pvalue)
+        p_against = float(sps.binomtest(more, fewer + more, 0.5, alternative="greater").pvalue)
+    verdict = _directional(p_for, p_against, alpha)
+    n = int(t.size)
+    reason = (f"{int(c.sum())}/{n} without vs {int(t.sum())}/{n} with; discordant pairs: {b} only without, "
+              f"{cc} only with; one-sided p = {p_for:.3g}{_against(verdict, p_against)}")
+    return Claim(claim, source, verdict, reason, float(t.mean() - c.mean()), (NAN, NAN), n, test,
                  _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
 
 

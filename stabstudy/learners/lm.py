@@ -9,7 +9,10 @@ LM channels ``val_loss``, ``ce_loss``, ``z_loss``, ``attn_logit_max`` (+ per lay
 precision other than float32 (or a loss scaler, or a ``precision_switch``) the
 precision channels ``nonfinite_grads``, ``loss_scale``, ``skipped_step``,
 ``lost_update_frac``, ``fp16_headroom``, ``adam_state_nonfinite`` are recorded by
-the measurement functions of :mod:`stabstudy.instruments.precision`.
+the measurement functions of :mod:`stabstudy.instruments.precision`. With a ``controller``
+(:mod:`stabstudy.interventions.control`; it acts in the optimizer step's hooks, after clipping and
+the scaler's unscale) also ``intervened`` and ``action``; its loss detector reads the loss as a
+float, one host sync per step on a GPU (the ``olmo`` comparator decides on the device).
 
 Precision mechanics (measurements in :mod:`stabstudy.instruments.precision`): ``autocast_dtype`` runs the
 forward pass under ``torch.autocast`` (float32 master weights); ``param_dtype`` stores the
@@ -23,6 +26,12 @@ Optimisation follows Wortsman et al. 2023: AdamW with betas (0.9, 0.95), eps 1e-
 weight decay on matrices only, linear warmup then cosine decay, optional
 gradient clipping. A NaN/inf loss or non-finite parameters stop the run with
 ``attrs["status"] = "diverged"`` (the data up to that step is kept).
+
+``skip_nonfinite_loss`` (opt-in, needs ``grad_scaler``) continues past a non-finite loss the way a
+GradScaler training loop does: its backward gives inf/NaN gradients, the scaler skips the optimizer
+step and halves the scale (``skipped_step`` = 1, ``nonfinite_grads`` > 0, ``loss`` non-finite at that
+step), and the run goes on; non-finite parameters still end it as diverged. Without a scaler nothing
+skips the update, so a non-finite loss sends its gradient into AdamW: that is divergence, as above.
 
 The grid builders and analyses used by ``notebooks/02_nanogpt_spike_studies.ipynb``
 live at the bottom of this module.
@@ -40,7 +49,7 @@ import xarray as xr
 from stabstudy.hparams import GPTHParams, merged
 from stabstudy.instruments import curvature, precision
 from stabstudy.instruments.telemetry import Monitor
-from stabstudy.interventions import perturb
+from stabstudy.interventions import control, perturb
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.learners.corpus import get_batch, load_corpus, outlier_batch
 from stabstudy.learners.gpt import GPT, GPTConfig, resolve_device
@@ -89,9 +98,10 @@ class _DeviceLog:
     def full(self) -> bool:
         return self.n == len(self.views)
 
-    def flush(self, rec: dict[str, np.ndarray]) -> tuple[int, bool] | None:
+    def flush(self, rec: dict[str, np.ndarray], loss_diverges: bool = True) -> tuple[int, bool] | None:
         """Copy the block to ``rec`` (loss, ce_loss, z_loss) and start the next one; return the
-        first diverged step in it with whether its loss (else its parameters) went non-finite."""
+        first diverged step in it with whether its loss (else its parameters) went non-finite.
+        ``loss_diverges=False``: only non-finite parameters count (a loss scaler skipped the step)."""
         t, base, n = self.t[:self.n], self.base, self.n
         if t.device.type == "cuda":  # one wait per block, on an event (the copy is the sync)
             host = t.to("cpu", non_blocking=True)
@@ -107,7 +117,7 @@ class _DeviceLog:
         checked = set(self.checked)
         self.base, self.n, self.checked = base + n, 0, []
         for j in range(n):
-            if not math.isfinite(vals[j, self.LOSS]):
+            if loss_diverges and not math.isfinite(vals[j, self.LOSS]):
                 return base + j, True
             if base + j in checked and not math.isfinite(vals[j, self.PARAMS]):
                 return base + j, False
@@ -196,6 +206,10 @@ def run(spec: RunSpec) -> xr.Dataset:
     if bool(hp["grad_scaler"]) and param_dtype == torch.float16:
         raise ValueError("grad_scaler needs float32 or bfloat16 parameters: torch.amp.GradScaler refuses to "
                          "unscale float16 gradients (use param_dtype='float32' with autocast_dtype='float16')")
+    skip_loss = bool(hp["skip_nonfinite_loss"])
+    if skip_loss and not bool(hp["grad_scaler"]):
+        raise ValueError("skip_nonfinite_loss needs grad_scaler=True: without a scaler nothing skips the update, "
+                         "so a non-finite loss reaches AdamW and the run diverges")
     model.to(device=device, dtype=param_dtype)
     params = [p for p in model.parameters()]
     opt = make_optimizer(model, hp)
@@ -213,6 +227,9 @@ def run(spec: RunSpec) -> xr.Dataset:
     scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
                                         growth_interval=int(hp["scaler_growth_interval"]))
     mon = Monitor(model, opt, every=spec.log_every, sync_every=SYNC_EVERY)
+    ctrl = control.from_hparams(hp)  # None unless hparams name one: then the loop runs as before
+    if ctrl is not None:
+        ctrl.attach(opt, mon)
     probe = None
     if spec.curvature_every:  # sharpness on a fixed probe batch, eval mode (no dropout), explicit attention
         px, py = (t.to(device) for t in get_batch(corpus.train, B, T, torch.Generator().manual_seed(seed + 3_000_017)))
@@ -282,6 +299,8 @@ def run(spec: RunSpec) -> xr.Dataset:
                 perturb.add_grad_noise(params, gn.dose, pert_gen)
             if float(hp["grad_clip"]) > 0:
                 torch.nn.utils.clip_grad_norm_(params, float(hp["grad_clip"]))
+            if ctrl is not None:  # acts in the step's hooks, after the clip and the scaler's unscale
+                ctrl.observe(loss, step=step)
             if precision_mode:
                 grads = [p.grad for p in params]
                 rec["nonfinite_grads"][step] = precision.count_nonfinite(grads)
@@ -306,7 +325,7 @@ def run(spec: RunSpec) -> xr.Dataset:
             eval_now = (step + 1) % eval_every == 0 or step == steps - 1
             probe_now = probe is not None and step % spec.curvature_every == 0
             if dlog.full() or eval_now or probe_now:  # before evaluating: never a diverged model
-                diverged = dlog.flush(rec)
+                diverged = dlog.flush(rec, loss_diverges=not skip_loss)
                 if diverged is not None:
                     s, at_loss = diverged
                     status, done = "diverged", s + 1
@@ -331,6 +350,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     finally:
         mon_ds = mon.to_dataset()
         mon.close()
+        if ctrl is not None:
+            ctrl.close()
 
     ds = xr.Dataset({k: ("step", v[:done]) for k, v in rec.items()},
                     coords={"step": np.arange(done), "tokens": ("step", (np.arange(done) + 1) * B * T)})
@@ -342,6 +363,9 @@ def run(spec: RunSpec) -> xr.Dataset:
             if k not in ds:
                 ds[k] = ("step", mon_ds[k].values)
     ds["perturbed"] = ("step", sched.mask(ds.step.values))
+    if ctrl is not None:
+        ds = ds.assign({k: ("step", v) for k, v in ctrl.records(done).items()})
+        ds.attrs.update(ctrl.attrs())
     ds.attrs.update(status=status, corpus_sha256=corpus.sha256, corpus_name=corpus.name,
                     corpus_bytes=corpus.n_bytes, rare_token=corpus.rare_token, n_params=model.num_params(),
                     device=str(device), tokens_per_step=B * T)

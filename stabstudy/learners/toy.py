@@ -30,7 +30,8 @@ Channels: the Monitor's (``grad_norm``, ``xgrad``, ``update_*``, ``adam_*``,
 steps (default: 100 evaluations per run), ``perturbed``, and with
 ``spec.curvature_every`` the :data:`stabstudy.instruments.curvature.CURVATURE_CHANNELS`
 (``lambda_max`` etc., on the first ``probe_size`` training examples, measured
-after the update of that step).
+after the update of that step). With a ``controller`` (:mod:`stabstudy.interventions.control`,
+attached through the Monitor's pre-step view) also ``intervened`` and ``action``.
 
 Perturbations (:mod:`stabstudy.interventions.perturb`): ``lr_spike``, ``beta2_shift`` (Adam
 only), ``grad_noise``, ``weight_noise``, ``reinit_layer`` (``params['layer']``,
@@ -52,7 +53,7 @@ import xarray as xr
 from stabstudy.hparams import ToyHParams, merged
 from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
 from stabstudy.instruments.telemetry import Monitor
-from stabstudy.interventions import perturb
+from stabstudy.interventions import control, perturb
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
@@ -185,6 +186,9 @@ def run(spec: RunSpec) -> xr.Dataset:
     base_lr, beta1, beta2 = float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"])
 
     mon = Monitor(model, opt, every=spec.log_every)
+    ctrl = control.from_hparams(hp)  # None unless hparams name one: then the loop runs as before
+    if ctrl is not None:
+        ctrl.attach(opt, mon)
     probe = None
     if spec.curvature_every:
         m = int(hp["probe_size"]) or n
@@ -229,6 +233,8 @@ def run(spec: RunSpec) -> xr.Dataset:
             gn = sched.of_kind("grad_noise", step)
             if gn is not None:
                 perturb.add_grad_noise(params, gn.dose, pert_gen)
+            if ctrl is not None:
+                ctrl.observe(loss_val, step=step)
             opt.step()
             done = step + 1
             row = {"loss": loss_val}
@@ -243,6 +249,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     finally:
         mds = mon.to_dataset()
         mon.close()
+        if ctrl is not None:
+            ctrl.close()
     steps = np.arange(done)
     mds = mds.reindex(step=steps)
     ds = xr.Dataset(coords={"step": ("step", steps, {"long_name": "optimizer update index"})})
@@ -254,6 +262,10 @@ def run(spec: RunSpec) -> xr.Dataset:
             if k not in ds:
                 ds[k] = ("step", np.full(done, np.nan))
     ds["perturbed"] = ("step", sched.mask(steps))
+    if ctrl is not None:
+        for k, v in ctrl.records(done).items():
+            ds[k] = ("step", v)
+        ds.attrs.update(ctrl.attrs())
     ds.attrs.update(status=status, n_params=sum(p.numel() for p in params), batch_size=int(bs),
                     full_batch=int(full_batch))
     return ds

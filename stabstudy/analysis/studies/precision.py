@@ -21,7 +21,9 @@ PRECISIONS: dict[str, dict[str, Any]] = {
     "float32": {"autocast_dtype": "float32", "param_dtype": "float32", "grad_scaler": False},
     "bf16_autocast": {"autocast_dtype": "bfloat16", "param_dtype": "float32", "grad_scaler": False},
     "fp16_autocast": {"autocast_dtype": "float16", "param_dtype": "float32", "grad_scaler": False},
-    "fp16_autocast_scaler": {"autocast_dtype": "float16", "param_dtype": "float32", "grad_scaler": True},
+    # a GradScaler training loop skips a step whose loss is non-finite too: so does this configuration
+    "fp16_autocast_scaler": {"autocast_dtype": "float16", "param_dtype": "float32", "grad_scaler": True,
+                             "skip_nonfinite_loss": True},
     "bf16_pure": {"autocast_dtype": "float32", "param_dtype": "bfloat16", "grad_scaler": False},
     "fp16_pure": {"autocast_dtype": "float32", "param_dtype": "float16", "grad_scaler": False},
 }
@@ -41,6 +43,7 @@ def _lm_spec(steps: int, seed: int, precision: str, hp: dict[str, Any], perturba
     hp = {**hp, **precision_hparams(precision)}
     if not hp["grad_scaler"]:
         hp.pop("scaler_growth_interval", None)  # irrelevant without a scaler: keep hashes shared
+        hp.pop("skip_nonfinite_loss", None)
     return RunSpec(domain="lm", learner="gpt", task=str(hp.pop("task", "stdlib")), steps=steps, seed=seed,
                    hparams=hp, perturbations=tuple(perturbations), log_every=log_every, eval_every=eval_every)
 
@@ -134,7 +137,69 @@ def _channel(run, name: str):
     return run[name].values if name in run else np.full(run.sizes["step"], np.nan)
 
 
-def run_summary(runs, tail: float = 0.1) -> Any:
+#: Outcomes of :func:`overflow_recovery` and what they count as (1 recovered, 0 not, NaN no verdict).
+RECOVERY_OUTCOMES: dict[str, float] = {"never_left": 1.0, "recovered": 1.0, "not_recovered": 0.0, "diverged": 0.0,
+                                       "unobserved": float("nan"), "undefined": float("nan"),
+                                       "no_overflow": float("nan")}
+
+
+def overflow_recovery(run, window: int, tol: float = 0.1, baseline_points: int = 10) -> dict[str, Any]:
+    """Did one run's training loss come back after its first overflow? (one run of ``load_runs``)
+
+    The event is the first recorded step with a non-finite gradient element or a non-finite
+    loss (recorded steps are those with a learning rate: ``load_runs`` pads shorter runs with
+    NaN). The band is the pre-overflow baseline (mean loss of the last ``baseline_points`` steps
+    before it) plus ``tol`` times its size, as in :func:`stabstudy.analysis.events.recovery_state`,
+    applied to the steps up to ``window`` after the event; a recorded non-finite loss (a step the
+    scaler skipped because its forward overflowed) counts as outside the band.
+
+    ``state`` (:data:`RECOVERY_OUTCOMES` maps it to ``recovered`` 1 / 0 / NaN):
+    ``never_left`` / ``recovered`` (in the band at the end of the overflow, or back within the
+    window), ``not_recovered`` (out of it for the rest of a fully observed window), ``diverged``
+    (the learner stopped as diverged within the window: at non-finite parameters, which stay
+    non-finite under AdamW, and every parameter of the tied-embedding GPT enters every forward
+    pass, so no later loss would be finite; or at a non-finite loss, whose gradient reaches AdamW
+    where nothing skips the step: no scaler, or a scaler without ``skip_nonfinite_loss``, which
+    :data:`PRECISIONS` sets), ``unobserved`` (the run ends before the window does and was not
+    back), ``undefined`` (no pre-overflow baseline), ``no_overflow``.
+
+    Returns ``overflow_step`` (NaN without one), ``recovery_state``, ``recovered``,
+    ``recovery_time`` (steps from the event back into the band; 0 when it never left, inf when not
+    back, NaN without a verdict) and ``recovery_window``.
+    """
+    import math
+
+    import numpy as np
+
+    from stabstudy.analysis import events
+
+    loss, lr = _channel(run, "loss"), _channel(run, "lr")
+    recorded = np.isfinite(lr)
+    last = int(np.flatnonzero(recorded)[-1]) if recorded.any() else -1
+    bad = recorded & ((_channel(run, "nonfinite_grads") > 0) | ~np.isfinite(loss))
+    out: dict[str, Any] = {"overflow_step": math.nan, "recovery_state": "no_overflow", "recovered": math.nan,
+                           "recovery_time": math.nan, "recovery_window": int(window)}
+    if not bad.any():
+        return out
+    ev = int(np.flatnonzero(bad)[0])
+    out["overflow_step"] = float(ev)
+    end = ev + int(window)
+    if str(run.status.values) == "diverged" and last <= end:
+        state, time = "diverged", math.inf
+    else:
+        # the worst representable loss: outside any band, yet kept by events.as_series (which drops non-finite)
+        curve = np.where(recorded & ~np.isfinite(loss), np.finfo(float).max, loss)[:min(end, last) + 1]
+        state, time = events.recovery_state(curve, ev, tol=tol, baseline_points=baseline_points,
+                                            higher_is_better=False)
+        if state == "never_left":
+            time = 0.0
+        if state in ("never_left", "not_recovered") and last < end:
+            state, time = "unobserved", math.nan
+    out.update(recovery_state=state, recovered=RECOVERY_OUTCOMES[state], recovery_time=time)
+    return out
+
+
+def run_summary(runs, tail: float = 0.1, recovery_window: int | None = None, recovery_tol: float = 0.1) -> Any:
     """One row per run of ``load_runs`` output: outcome and precision counts.
 
     Columns: ``precision``, ``seed``, ``status``, ``steps_done`` (steps with a finite loss),
@@ -145,7 +210,9 @@ def run_summary(runs, tail: float = 0.1) -> Any:
     ``scale_growths`` / ``scale_backoffs`` (number of x2 / x0.5 changes), ``lost_update_mean``,
     ``lost_update_first_half`` / ``lost_update_second_half``, ``adam_state_nonfinite_max``,
     ``adam_state_nonfinite_final``, ``first_nonfinite_step``, ``pert_dose``, ``pert_start``,
-    plus ``init_scale`` / ``block_size`` where set.
+    plus ``init_scale`` / ``block_size`` where set. With ``recovery_window`` (steps) also the
+    columns of :func:`overflow_recovery` (``overflow_step``, ``recovery_state``, ``recovered``,
+    ``recovery_time``, ``recovery_window``), its band ``recovery_tol``.
     """
     import numpy as np
     import pandas as pd
@@ -192,6 +259,8 @@ def run_summary(runs, tail: float = 0.1) -> Any:
         for name in ("init_scale", "block_size", "n_embd", "n_head"):
             if f"hp_{name}" in r.coords:
                 row[name] = float(r[f"hp_{name}"])
+        if recovery_window is not None:
+            row.update(overflow_recovery(r, recovery_window, tol=recovery_tol))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -377,7 +446,10 @@ def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.
     runs at the same perturbed dose and seed are compared across precisions with
     ``rate_comparison``. The GradScaler rows compare fp16 autocast *with* GradScaler
     against fp16 autocast *without* a scaler (the alternative in the grid) at the
-    (dose, seed) cells where the scaler-free run overflowed.
+    (dose, seed) cells where the scaler-free run overflowed. The recovery row needs the
+    ``recovered`` column of ``run_summary(..., recovery_window=...)`` in ``sum_b`` (else
+    ``not tested``); a run without a recovery verdict (``unobserved``, ``undefined``) is
+    left out of its group.
     """
     import numpy as np
     import pandas as pd
@@ -408,9 +480,18 @@ def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.
                                   *_k_n(at(no_sc, "adam_state_nonfinite_max"), lambda v: v > 0),
                                   *_k_n(at(sc, "adam_state_nonfinite_max"), lambda v: v > 0),
                                   direction="greater", alpha=alpha))
-    rows.append(C.not_tested("after an fp16 overflow reaches Adam (no scaler) the run does not recover", mp,
-                             "the learner stops at the first non-finite step; recovery cannot be observed",
-                             n=len(over)))
+    rec_claim = "after an fp16 overflow reaches Adam (no scaler) the run does not recover"
+    if "recovered" not in b:
+        rows.append(C.not_tested(rec_claim, mp, "no recovery measurement (run_summary without recovery_window)",
+                                 n=len(over)))
+    else:
+        w = sorted({int(v) for v in b.recovery_window.dropna()}) if "recovery_window" in b else []
+        within = f"within {w[0]} steps" if len(w) == 1 else "within the window"
+        rows.append(C.rate_comparison(f"{rec_claim}, while the same overflow skipped by GradScaler does (loss back in "
+                                      f"its pre-overflow band {within}; not-recovered rate without vs with a scaler, "
+                                      "same dose and seed)", mp,
+                                      *_k_n(at(no_sc, "recovered"), lambda v: v == 0),
+                                      *_k_n(at(sc, "recovered"), lambda v: v == 0), direction="greater", alpha=alpha))
     rows.append(C.rate_comparison("with GradScaler the same overflow is skipped and training finishes more often "
                                   "than without a scaler (fp16 autocast, same dose and seed)", mp,
                                   *_k_n(at(sc, "status"), lambda v: v == "ok"),

@@ -1,0 +1,277 @@
+"""Notebook 05 (closed-loop monitor): the paired-counterfactual grid, threshold calibration,
+per-run outcomes, the paired table and the claims.
+
+Design. Per domain (small GPT ``lm``, toy MLP ``toy``), seed and event (a perturbation near its
+critical dose), twins share the seed and hence the data order: the *uncontrolled* run, one run per
+*controller*, and per controller the *unperturbed-but-controlled* run; the unperturbed uncontrolled
+run of the seed is the reference of every outcome. A controller is the learner hyperparameter
+``controller`` (:mod:`stabstudy.interventions.control`), so its runs are cached like any other.
+
+Thresholds. Our controllers (robust z of log grad norm and loss), the OLMo rule (z of the raw
+values over 128 steps) and ZClip (its EMA z of the grad norm) are calibrated to one false-alarm
+budget (alarm steps per 1,000 steps) on the unperturbed uncontrolled runs of the calibration seeds,
+by replaying the same streaming detectors over the stored channels: with no alarm, a controller
+changes nothing, so the replay sees what the controller would have seen. Fixed clipping at 1.0 and
+the non-finite skip have no threshold. False interventions and intrusiveness are measured on the
+other seeds only.
+
+Outcomes per run: ``final`` (mean training loss over the last ``final_window`` steps), ``diverged``,
+``collapse`` (diverged, or ``final`` more than ``collapse_excess[domain]`` nats above the
+reference's), ``damage`` (``final`` minus the reference's; NaN when diverged), ``recovery`` (steps
+from the onset until the smoothed loss is back within ``recover_excess[domain]`` nats of the
+reference's; NaN if never), ``first_action`` (steps from the onset to the first intervention at or
+after it), interventions per 1,000 steps. Losses are cross-entropies in nats in both domains.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import xarray as xr
+
+from stabstudy.analysis import claims as C
+from stabstudy.analysis.studies import lm_spikes
+from stabstudy.analysis.warning.detectors import RobustZ, WindowZ, ZClipZ
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.spec import RunSpec
+
+SOURCE = "source paper (arXiv 2601.13160)"
+#: Toy runs evaluate every this many steps (the learner's default, 100 evaluations, would cost 7x the training).
+TOY_EVAL_EVERY = 10
+#: Our controllers (a robust-z detector, one action each) and the comparators.
+OURS = ("z_skip", "z_lr", "z_adam", "z_rollback", "z_clip")
+COMPARATORS = ("olmo", "zclip", "clip1", "nonfinite")
+#: Which calibrated threshold each controller takes.
+CALIBRATED = {**{c: "z" for c in OURS}, "olmo": "olmo", "zclip": "zclip"}
+
+
+def base_spec(domain: str, steps: int, seed: int, perturbations: tuple[Perturbation, ...] = (),
+              **hp: Any) -> RunSpec:
+    """A run of the study: ``lm`` as notebooks 02 and 04 build it (so their stored runs are shared),
+    ``toy`` an Adam MLP on digits."""
+    if domain == "lm":
+        return lm_spikes.base_spec(steps, seed, perturbations=perturbations, **hp)
+    if domain == "toy":
+        return RunSpec(domain="toy", learner="adam", task="digits", steps=steps, seed=seed, hparams=hp,
+                       perturbations=perturbations, eval_every=TOY_EVAL_EVERY)
+    raise ValueError(f"unknown domain {domain!r}; valid: lm, toy")
+
+
+def _events(event_step: int, events: Sequence[Sequence[Any]]) -> list[tuple[Perturbation, ...]]:
+    return [(Perturbation(str(k), event_step, int(d), dose=float(x)),) for k, x, d in events]
+
+
+def uncontrolled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
+                      events: Sequence[Sequence[Any]], **hp: Any) -> list[RunSpec]:
+    """Per seed: the unperturbed run and one run per ``[kind, dose, duration]`` event, no controller."""
+    return [base_spec(domain, steps, s, p, **hp) for s in seeds for p in [(), *_events(event_step, events)]]
+
+
+def controlled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
+                    events: Sequence[Sequence[Any]], controllers: Sequence[str], thresholds: dict[str, float],
+                    **hp: Any) -> list[RunSpec]:
+    """Per seed and controller: the unperturbed-but-controlled run and one controlled run per event;
+    calibrated controllers carry their threshold (``thresholds[CALIBRATED[name]]``)."""
+    out = []
+    for name in controllers:
+        h = {**hp, "controller": name}
+        if name in CALIBRATED:
+            h["controller_threshold"] = float(thresholds[CALIBRATED[name]])
+        out += uncontrolled_grid(domain, steps, seeds, event_step, events, **h)
+    return out
+
+
+def run_table(specs: Sequence[RunSpec]) -> pd.DataFrame:
+    """One row per spec (index: spec hash): domain, seed, controller, event (``kind xdose/duration``
+    or ``none``), onset and the threshold given."""
+    rows = []
+    for s in dict.fromkeys(specs):
+        hp = s.hp
+        p = s.perturbations[0] if s.perturbations else None
+        rows.append({"run": s.spec_hash, "domain": s.domain, "seed": s.seed, "steps": s.steps,
+                     "controller": str(hp.get("controller", "none")),
+                     "threshold": float(hp.get("controller_threshold", math.nan)),
+                     "event": f"{p.kind} x{p.dose:g}/{p.duration}" if p else "none",
+                     "onset": p.start if p else -1})
+    return pd.DataFrame(rows).set_index("run")
+
+
+# -- calibration ------------------------------------------------------------------------------
+def replay_scores(grad_norm: np.ndarray, loss: np.ndarray, window: int = 64) -> dict[str, np.ndarray]:
+    """Per-step scores of the calibrated detectors streamed over one run's channels, as the
+    controllers compute them: ``z`` (max of the robust z of log10 grad norm and log10 loss),
+    ``olmo`` (max of the WindowZ of the raw loss and grad norm, 128 steps), ``zclip`` (ZClip's z)."""
+    n = len(grad_norm)
+    out = {k: np.full(n, np.nan) for k in ("z", "olmo", "zclip")}
+    zg, zl = (RobustZ(window=window, min_periods=max(window // 4, 4), side="up") for _ in range(2))
+    og, ol, zc = WindowZ(min_periods=63), WindowZ(min_periods=63), ZClipZ()  # OLMo-core: 64 values with the latest
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lg, ll = np.log10(grad_norm), np.log10(loss)
+    for t in range(n):
+        out["z"][t] = np.fmax(zg.update(lg[t]), zl.update(ll[t]))
+        out["olmo"][t] = np.fmax(og.update(grad_norm[t]), ol.update(loss[t]))
+        out["zclip"][t] = zc.update(grad_norm[t])
+    return out
+
+
+#: The published thresholds (our robust z: the controllers' default), the calibration's floors.
+PUBLISHED = {"z": 6.0, "olmo": 6.0, "zclip": 2.5}
+
+
+def calibrate(ds: xr.Dataset, runs: Sequence[str], budget: float, window: int = 64,
+              floor: dict[str, float] | None = None) -> pd.DataFrame:
+    """Thresholds giving at most ``budget`` alarm steps per 1,000 steps on ``runs`` (unperturbed,
+    uncontrolled): the smallest threshold above all but ``floor(budget * steps / 1000)`` scores,
+    never below ``floor`` (default :data:`PUBLISHED`): a short calibration run whose largest score is
+    small must not make a rule more trigger-happy than its authors' default. Returns one row per
+    detector: threshold, ``calibrated`` (before the floor), steps, alarms allowed."""
+    floor = floor or PUBLISHED
+    scores: dict[str, list[np.ndarray]] = {k: [] for k in ("z", "olmo", "zclip")}
+    for r in runs:
+        sc = replay_scores(ds.grad_norm.sel(run=r).values, ds.loss.sel(run=r).values, window)
+        for k, v in sc.items():
+            scores[k].append(v[np.isfinite(ds.loss.sel(run=r).values)])
+    rows = []
+    for k, parts in scores.items():
+        s = np.concatenate(parts) if parts else np.array([])
+        n = int(s.size)
+        allowed = int(math.floor(budget * n / 1000))
+        fin = np.sort(s[np.isfinite(s)])[::-1]
+        cal = float(f"{float(fin[allowed]) * 1.0001:.4g}") if fin.size > allowed else math.nan  # just above: '>' alarms
+        thr = max(cal, floor[k]) if math.isfinite(cal) else floor[k]
+        rows.append({"detector": k, "threshold": thr, "calibrated": cal, "steps": n, "alarms_allowed": allowed})
+    return pd.DataFrame(rows).set_index("detector")
+
+
+# -- outcomes ---------------------------------------------------------------------------------
+def _smooth(x: np.ndarray, w: int) -> np.ndarray:
+    return pd.Series(x).rolling(w, min_periods=1).mean().to_numpy()
+
+
+def outcomes(ds: xr.Dataset, table: pd.DataFrame, *, collapse_excess: dict[str, float],
+             recover_excess: dict[str, float], final_window: int = 20, smooth: int = 10) -> pd.DataFrame:
+    """Per run of ``table`` (rows of :func:`run_table` loaded in ``ds``): the module docstring's
+    outcomes against the unperturbed uncontrolled run of the same domain and seed."""
+    ref = table[(table.controller == "none") & (table.event == "none")]
+    ref_of = {(r.domain, r.seed): i for i, r in ref.iterrows()}
+    rows = []
+    for run, r in table.iterrows():
+        if run not in ds.run.values or (r.domain, r.seed) not in ref_of:
+            continue
+        loss = ds.loss.sel(run=run).values[: r.steps]
+        rloss = ds.loss.sel(run=ref_of[(r.domain, r.seed)]).values[: r.steps]
+        diverged = str(ds.status.sel(run=run).values) == "diverged" or not np.isfinite(loss[-final_window:]).all()
+        fin = float(np.mean(loss[-final_window:])) if not diverged else math.nan
+        rfin = float(np.nanmean(rloss[-final_window:]))
+        iv = ds.intervened.sel(run=run).values[: r.steps] if "intervened" in ds else np.full(r.steps, np.nan)
+        iv = np.nan_to_num(iv, nan=0.0)  # an uncontrolled run never intervenes
+        n_steps = int(np.isfinite(loss).sum())
+        row = {"run": run, **r.to_dict(), "diverged": bool(diverged), "final": fin, "ref_final": rfin,
+               "collapse": bool(diverged or fin > rfin + collapse_excess[r.domain]), "damage": fin - rfin,
+               "interventions": int(iv.sum()), "per_1k": 1000 * float(iv.sum()) / max(n_steps, 1),
+               "n_steps": n_steps, "recovery": math.nan, "first_action": math.nan}
+        if r.onset >= 0:
+            on = int(r.onset)
+            after = np.flatnonzero(iv[on:] > 0)
+            row["first_action"] = float(after[0]) if after.size else math.nan
+            if not diverged:
+                s, rs = _smooth(loss, smooth), _smooth(rloss, smooth)
+                ok = np.flatnonzero(s[on + 1:] <= rs[on + 1:] + recover_excess[r.domain])
+                row["recovery"] = float(ok[0] + 1) if ok.size else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")
+
+
+def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: float = 0.05,
+                 margin: float = 0.01) -> pd.DataFrame:
+    """Per domain, event and controller: collapses without / with (paired by seed) and the exact
+    McNemar p, mean paired damage difference (controlled minus uncontrolled) and its p, median
+    recovery with / without, median steps from onset to the first action, false interventions per
+    1,000 steps (unperturbed runs of the evaluation seeds) with a Clopper-Pearson interval, and the
+    TOST verdict of their final loss against the uncontrolled run (relative ``margin``)."""
+    rows = []
+    for (domain, ctrl), g in out[out.controller != "none"].groupby(["domain", "controller"], sort=False):
+        base = out[(out.domain == domain) & (out.controller == "none")]
+        null = g[(g.event == "none") & g.seed.isin(evaluation_seeds)]
+        k, n = int(null.interventions.sum()), int(null.n_steps.sum())
+        lo, hi = C.rate_ci(k, n)
+        ref_null = base[base.event == "none"].set_index("seed").reindex(null.seed)
+        tost = _tost("", null.final.to_numpy(), ref_null.final.to_numpy(), margin, alpha)
+        for event, ge in g[g.event != "none"].groupby("event", sort=False):
+            b = base[base.event == event].set_index("seed").reindex(ge.seed)
+            mc = C.paired_outcomes("", "our own", ge.collapse.to_numpy(float), b.collapse.to_numpy(float),
+                                   direction="less", alpha=alpha)
+            dm = C.paired_difference("", "our own", ge.damage.to_numpy(), b.damage.to_numpy(), direction="less",
+                                     alpha=alpha)
+            rows.append({"domain": domain, "event": event, "controller": ctrl, "pairs": len(ge),
+                         "collapse_without": int(b.collapse.sum()), "collapse_with": int(ge.collapse.sum()),
+                         "mcnemar_p": mc.p, "damage_without": float(b.damage.mean()),
+                         "damage_with": float(ge.damage.mean()), "damage_diff": dm.effect, "damage_p": dm.p,
+                         "recovery_without": float(b.recovery.median()), "recovery_with": float(ge.recovery.median()),
+                         "first_action": float(ge.first_action.median()),
+                         "false_per_1k": 1000 * k / n if n else math.nan, "false_ci_low": 1000 * lo,
+                         "false_ci_high": 1000 * hi, "tost": tost.verdict, "tost_diff": tost.effect})
+    return pd.DataFrame(rows)
+
+
+# -- claims -----------------------------------------------------------------------------------
+def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], budget: float,
+           margin: float, comparators: Sequence[str] = ("clip1", "zclip", "olmo"), alpha: float = 0.05,
+           ) -> list[C.Claim]:
+    """The claims of notebook 05 for the controller ``primary``, every domain and event pooled
+    (pairs: domain, event, seed). "Beats" a comparator: smaller paired damage on the same perturbed
+    runs, the comparators calibrated to the same false-alarm budget where they have a threshold."""
+    res: list[C.Claim] = []
+    ctrl = out[out.controller == primary]
+    base = out[out.controller == "none"]
+    key = ["domain", "event", "seed"]
+    pert, bpert = ctrl[ctrl.event != "none"].set_index(key), base[base.event != "none"].set_index(key)
+    bpert = bpert.reindex(pert.index)
+    res.append(C.paired_outcomes(f"{primary} prevents collapse (paired runs near the critical dose)", SOURCE,
+                                 pert.collapse.to_numpy(float), bpert.collapse.to_numpy(float), direction="less",
+                                 alpha=alpha))
+    null = ctrl[(ctrl.event == "none") & ctrl.seed.isin(evaluation_seeds)]
+    k, n = int(null.interventions.sum()), int(null.n_steps.sum())
+    res.append(_selective(f"{primary} is selective: at most {budget:g} false interventions per 1,000 unperturbed "
+                          "steps", k, n, budget, alpha))
+    ref = base[base.event == "none"].set_index(["domain", "seed"]).reindex(
+        null.set_index(["domain", "seed"]).index)
+    res.append(_tost(f"{primary} is non-intrusive: unperturbed final loss within {margin:.0%} of the run without "
+                     "it (TOST)", null.final.to_numpy(), ref.final.to_numpy(), margin, alpha))
+    for comp in comparators:
+        other = out[(out.controller == comp) & (out.event != "none")].set_index(key).reindex(pert.index)
+        if other.empty or other.damage.isna().all():
+            res.append(C.not_tested(f"{primary} beats {comp} (less damage)", "our own", f"no {comp} runs"))
+            continue
+        res.append(C.paired_difference(f"{primary} beats {comp}: less damage on the same perturbed runs",
+                                       "our own", pert.damage.to_numpy(), other.damage.to_numpy(), direction="less",
+                                       alpha=alpha))
+    return res
+
+
+def _tost(claim: str, final: np.ndarray, ref_final: np.ndarray, margin: float, alpha: float) -> C.Claim:
+    """TOST of the paired ratio final / reference final against 1 +- ``margin`` (relative per pair,
+    so that domains with losses of different size pool)."""
+    ratio = np.asarray(final, dtype=float) / np.asarray(ref_final, dtype=float)
+    return C.equivalence(claim, SOURCE, ratio, np.ones_like(ratio), margin=margin, relative=False, alpha=alpha)
+
+
+def choose_primary(out: pd.DataFrame, calibration_seeds: Sequence[int], candidates: Sequence[str] = OURS) -> str:
+    """Our controller with the fewest collapses, then the least mean damage, on the perturbed runs of
+    the calibration seeds (the claims are then tested on the other seeds)."""
+    cal = out[out.seed.isin(calibration_seeds) & (out.event != "none") & out.controller.isin(candidates)]
+    if cal.empty:
+        return candidates[0]
+    score = cal.groupby("controller").agg(collapses=("collapse", "sum"), damage=("damage", "mean"))
+    return str(score.sort_values(["collapses", "damage"]).index[0])
+
+
+def _selective(claim: str, k: int, n: int, budget: float, alpha: float) -> C.Claim:
+    """False interventions per 1,000 steps against the budget: supported when the Clopper-Pearson
+    upper limit is at or below it, not supported when the lower limit is above it (the rule is
+    :func:`stabstudy.analysis.claims.rate_below`)."""
+    return C.rate_below(claim, SOURCE, k, n, budget / 1000, alpha=alpha, scale=1000, unit="per 1,000 steps")

@@ -1,0 +1,216 @@
+"""``Controller(detector, policy)``: a streaming detector watches each step before it lands; on an
+alarm the policy's action acts on it (skip, lr back-off, Adam's second moment, rollback, clip).
+
+It attaches to any torch optimizer through its step hooks (``register_step_pre_hook`` /
+``register_step_post_hook``), or through a :class:`~stabstudy.instruments.telemetry.Monitor`'s
+pre-step view (:meth:`Monitor.add_pre_step_hook`), which hands over the gradient norm the Monitor
+computed anyway. The detectors are those of :mod:`stabstudy.analysis.warning.detectors` (any
+object with ``update(value) -> score`` and ``alarm(score)``), fed with ``grad_norm`` (read in the
+pre-hook) and ``loss`` (given with :meth:`Controller.observe` before ``optimizer.step()``).
+
+Reading the norm as a float is one host sync per step on a GPU (none on a CPU); the OLMo rule of
+:mod:`~stabstudy.interventions.control.comparators` decides on the device instead.
+
+Per step it records ``intervened`` (1 where it acted) and ``action`` (a code of
+:data:`~stabstudy.interventions.control.actions.ACTION_CODES`), keyed by the learner's step when
+:meth:`observe` names it, else by its own count of steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from stabstudy.analysis.warning.detectors import Detector
+from stabstudy.interventions.control.actions import Action, AdaptiveClip, StepContext
+
+SIGNALS = ("grad_norm", "loss")
+
+
+class NonFinite(Detector):
+    """Score 1 for a non-finite value, 0 otherwise; alarm above 0.5 (skip on inf/NaN gradients)."""
+
+    def __init__(self, name: str = "nonfinite"):
+        self.name, self.threshold = name, 0.5
+
+    def update(self, value: float) -> float:
+        return 0.0 if math.isfinite(float(value)) else 1.0
+
+
+class Policy:
+    """Maps an alarm to an action: ``action`` on every alarm step; with ``escalate``, that action
+    instead once ``after`` consecutive steps alarmed (e.g. skip, then roll back)."""
+
+    def __init__(self, action: Action, escalate: Action | None = None, after: int = 3):
+        self.action, self.escalate, self.after = action, escalate, after
+        self._run = 0
+
+    @property
+    def actions(self) -> list[Action]:
+        return [a for a in (self.action, self.escalate) if a is not None]
+
+    def choose(self, alarm: bool) -> Action | None:
+        self._run = self._run + 1 if alarm else 0
+        if not alarm:
+            return None
+        if self.escalate is not None and self._run >= self.after:
+            return self.escalate
+        return self.action
+
+    def describe(self) -> str:
+        s = self.action.describe()
+        return s if self.escalate is None else f"{s}; after {self.after} alarms in a row: {self.escalate.describe()}"
+
+
+class Controller:
+    """A detector (or ``{signal: detector}``) and a :class:`Policy` (or a bare :class:`Action`).
+
+    Args:
+        detector: one detector fed with ``signal``, or a mapping ``signal -> detector``; an alarm
+            of any of them triggers the policy. Signals: ``grad_norm``, ``loss``.
+        policy: what to do on an alarm.
+        signal: the signal of a single detector.
+        log: feed ``log10`` of the signals (the detectors of notebook 04 read log-scaled norms).
+        warmup: steps before the controller may act (the detectors still learn).
+        ref_window: non-alarm gradient norms kept as the adaptive clip's reference.
+
+    Use: ``ctrl = Controller(RobustZ(side="up"), Skip()).attach(opt)``; per step, optionally
+    ``ctrl.observe(loss)`` before ``opt.step()``; ``ctrl.records()`` at the end.
+    """
+
+    def __init__(self, detector: Detector | Mapping[str, Detector], policy: Policy | Action, *,
+                 signal: str = "grad_norm", log: bool = False, warmup: int = 0, ref_window: int = 64,
+                 name: str = "controller"):
+        self.detectors = dict(detector) if isinstance(detector, Mapping) else {signal: detector}
+        bad = set(self.detectors) - set(SIGNALS)
+        if bad:
+            raise ValueError(f"unknown signal(s) {sorted(bad)}; valid: {', '.join(SIGNALS)}")
+        self.policy = policy if isinstance(policy, Policy) else Policy(policy)
+        self.log, self.warmup, self.name = log, warmup, name
+        self._ref: deque[float] = deque(maxlen=ref_window)
+        for a in self.policy.actions:
+            if isinstance(a, AdaptiveClip):
+                a.reference = self.reference
+        self._handles: list[Any] = []
+        self._loss: float = math.nan
+        self._step: int | None = None  # the learner's step, when observe() names it
+        self._count = 0  # steps seen
+        self._acted: dict[int, int] = {}  # step -> action code
+        self.scores: dict[int, float] = {}  # step -> largest score / threshold (alarm where > 1)
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- attaching ----------------------------------------------------------------------
+    def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None) -> Controller:
+        """Hook into ``optimizer`` (through ``monitor``'s pre-step view when given: the Monitor
+        must watch that optimizer). Returns self."""
+        if self.optimizer is not None:
+            raise RuntimeError("this controller is attached already; build one per optimizer")
+        self.optimizer = optimizer
+        if monitor is not None:
+            def via_monitor(opt, stats):
+                if opt is optimizer:
+                    self._pre(opt, stats.grad_norm)
+            self._handles.append(monitor.add_pre_step_hook(via_monitor))
+        else:
+            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._pre(opt, None)))
+        self._handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self._post(opt)))
+        return self
+
+    def close(self) -> None:
+        """Remove the hooks (the records and the detectors' state stay; :meth:`attach` again resumes)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.optimizer = None
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def observe(self, loss: Any = None, step: int | None = None) -> None:
+        """Give this step's loss (a float or tensor; read as a float only when a detector reads
+        ``loss``) and/or its index, before ``optimizer.step()``."""
+        if loss is not None and "loss" in self.detectors:
+            self._loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if step is not None:
+            self._step = int(step)
+
+    # -- per step -----------------------------------------------------------------------
+    def reference(self) -> float:
+        """Median gradient norm of the recent steps that did not alarm (NaN before any)."""
+        return float(np.median(self._ref)) if self._ref else math.nan
+
+    def _current_step(self) -> int:
+        return self._step if self._step is not None else self._count
+
+    def _pre(self, opt: torch.optim.Optimizer, grad_norm: torch.Tensor | None) -> None:
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        if grad_norm is None:
+            if not params:
+                return
+            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        g = float(grad_norm)
+        values = {"grad_norm": g, "loss": self._loss}
+        alarm, worst = False, -math.inf
+        for sig, det in self.detectors.items():  # every detector sees every step
+            v = values[sig]
+            if self.log:
+                v = math.log10(v) if v > 0 else (math.nan if math.isfinite(v) else v)
+            score = det.update(v)
+            if det.alarm(score):
+                alarm = True
+            if math.isfinite(score) and det.threshold != 0:
+                worst = max(worst, score / det.threshold)
+        step = self._current_step()
+        if worst > -math.inf:
+            self.scores[step] = worst
+        ctx = StepContext(opt, step, g, params)
+        action = self.policy.choose(alarm) if self._count >= self.warmup else None
+        if action is not None:
+            action.apply(ctx)
+            self._acted[step] = action.code
+        elif math.isfinite(g):
+            self._ref.append(g)
+        for a in self.policy.actions:
+            a.before(ctx)
+
+    def _post(self, opt: torch.optim.Optimizer) -> None:
+        step = self._current_step()
+        for a in self.policy.actions:
+            a.after(opt, step)
+        self._count += 1
+        self._loss = math.nan
+        self._step = None
+
+    # -- records ------------------------------------------------------------------------
+    @property
+    def n_actions(self) -> int:
+        return len(self._acted)
+
+    def records(self, steps: int | None = None) -> dict[str, np.ndarray]:
+        """``intervened`` (0/1) and ``action`` (codes) for steps ``0 .. steps - 1`` (default: every
+        step seen)."""
+        n = steps if steps is not None else max([self._count - 1, *self._acted]) + 1
+        action = np.zeros(n)
+        for s, c in self._acted.items():
+            if 0 <= s < n:
+                action[s] = c
+        return {"intervened": (action > 0).astype(float), "action": action}
+
+    def attrs(self) -> dict[str, Any]:
+        """What describes the controller in a run's attributes (rollback cost included)."""
+        out: dict[str, Any] = {"controller_policy": self.policy.describe(),
+                               "controller_detectors": ", ".join(f"{type(d).__name__}({s}) > {d.threshold:g}"
+                                                                 for s, d in self.detectors.items())}
+        for a in self.policy.actions:
+            if hasattr(a, "cost_s"):
+                out.update(rollback_cost_s=float(a.cost_s), rollback_bytes=int(a.bytes),
+                           rollback_restored=int(a.restored))
+        return out

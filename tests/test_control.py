@@ -1,0 +1,370 @@
+"""Closed-loop control: stationary when no alarm fires, each action does what it says, the OLMo rule
+decides on the device like the streaming WindowZ, and the README examples run."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from stabstudy.analysis.warning.detectors import WindowZ
+from stabstudy.instruments.telemetry import Monitor
+from stabstudy.interventions import control
+from stabstudy.interventions.control import (
+    ACTION_CODES,
+    AdamSecondMoment,
+    Controller,
+    LrBackoff,
+    NonFinite,
+    OlmoSkip,
+    Rollback,
+    Skip,
+)
+from stabstudy.interventions.perturb import Perturbation
+from stabstudy.spec import RunSpec
+
+NAMES = [n for n in control.CONTROLLERS if n != "none"]
+COMPARE = {"toy": ["loss", "grad_norm", "update_ratio", "perf", "adam_v_mean"],
+           "lm": ["loss", "grad_norm", "update_ratio", "val_loss", "adam_v_mean", "attn_logit_max"]}
+
+
+def _toy(controller: str = "none", threshold: float = 0.0, perts=(), steps: int = 80) -> RunSpec:
+    hp = {"lr": 0.01, "width": 16, "batch_size": 32, "n_train": 128, "n_test": 64}
+    if controller != "none":
+        hp.update(controller=controller, controller_threshold=threshold)
+    return RunSpec("toy", "adam", "digits", steps, 3, hp, perts)
+
+
+def _lm(controller: str = "none", threshold: float = 0.0, perts=(), steps: int = 50) -> RunSpec:
+    hp = dict(n_layer=1, n_embd=32, n_head=2, block_size=16, batch_size=4, corpus_bytes=100_000, warmup=5,
+              device="cpu")
+    if controller != "none":
+        hp.update(controller=controller, controller_threshold=threshold)
+    return RunSpec("lm", "gpt", "stdlib", steps, 3, hp, perts)
+
+
+def _run(domain: str, spec: RunSpec):
+    from stabstudy.learners import lm, toy
+
+    return (toy if domain == "toy" else lm).run(spec)
+
+
+@pytest.mark.parametrize("domain", ["toy", "lm"])
+def test_stationary_when_no_alarm_fires(domain):
+    """Every controller and comparator, with a threshold no step reaches: bit-identical trajectories."""
+    make = _toy if domain == "toy" else _lm
+    base = _run(domain, make())
+    assert "intervened" not in base and "action" not in base  # the default stores what it stored before
+    for name in NAMES:
+        ds = _run(domain, make(name, 1e9))
+        assert ds.sizes["step"] == base.sizes["step"]
+        assert ds.intervened.sum() == 0 and ds.action.sum() == 0, name
+        for ch in COMPARE[domain]:
+            np.testing.assert_array_equal(ds[ch].values, base[ch].values, err_msg=f"{name}: {ch}")
+
+
+def test_default_specs_keep_their_hash():
+    """A controller is a hyperparameter stored only when given: default specs hash as before."""
+    assert _toy().spec_hash == RunSpec("toy", "adam", "digits", 80, 3, {"lr": 0.01, "width": 16, "batch_size": 32,
+                                                                          "n_train": 128, "n_test": 64}).spec_hash
+    assert "controller" not in _toy().hp and _toy("z_skip").hp["controller"] == "z_skip"
+    with pytest.raises(ValueError, match="controller"):
+        _toy("no_such_controller")
+
+
+@pytest.mark.parametrize("name", ["z_skip", "z_lr", "z_adam", "z_rollback", "z_clip", "olmo", "zclip"])
+def test_an_outlier_batch_is_acted_on_before_it_lands(name):
+    # step 75: past the warm-up of every detector (the OLMo rule's is 63 values)
+    ds = _run("toy", _toy(name, perts=(Perturbation("outlier_batch", 75, 1, dose=1.0),), steps=90))
+    acted = np.flatnonzero(ds.intervened.values)
+    assert 75 in acted, (name, acted)
+    assert set(np.unique(ds.action.values)) <= {0.0, float(ds.action.values[75])}
+    assert ds.attrs["controller_policy"]
+
+
+def _model_opt(seed: int = 0, lr: float = 1e-2):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def _step(model, opt, x, y):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    return loss
+
+
+class _Always:
+    """A detector that alarms on the steps named."""
+
+    name, threshold = "always", 0.5
+
+    def __init__(self, at):
+        self.at, self.n = set(at), -1
+
+    def update(self, value):
+        self.n += 1
+        return 1.0 if self.n in self.at else 0.0
+
+    def alarm(self, score):
+        return score > self.threshold
+
+
+def _state(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            [{k: v.clone() for k, v in opt.state[p].items()} for p in model.parameters()])
+
+
+def test_skip_leaves_parameters_and_adam_state_untouched():
+    model, opt = _model_opt()
+    ctrl = Controller(_Always({3}), Skip()).attach(opt)
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+    for step in range(5):
+        _step(model, opt, x, y)
+        before = _state(model, opt)
+        opt.step()
+        if step == 3:
+            after = _state(model, opt)
+            for a, b in zip(before[0], after[0], strict=True):
+                assert torch.equal(a, b)
+            for a, b in zip(before[1], after[1], strict=True):
+                assert all(torch.equal(a[k], b[k]) for k in a)
+    rec = ctrl.records()
+    assert rec["action"].tolist() == [0, 0, 0, ACTION_CODES["skip"], 0]
+
+
+def test_lr_backoff_recovers_on_its_stated_schedule_and_restores_the_lr():
+    model, opt = _model_opt(lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda o, a, k: None)
+    back = LrBackoff(factor=0.2, recovery=4)
+    Controller(_Always({1}), back).attach(opt)
+    opt.register_step_pre_hook(lambda o, a, k: seen.append(o.param_groups[0]["lr"]))  # after the controller's
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    for _ in range(8):
+        _step(model, opt, x, y)
+        opt.step()
+        assert opt.param_groups[0]["lr"] == 0.1  # the learner's lr is back after every step
+    np.testing.assert_allclose(seen, [0.1, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1, 0.1])
+
+
+def test_adam_second_moment_bounds_the_spiking_step():
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+    moved = {}
+    for act in (None, AdamSecondMoment()):
+        model, opt = _model_opt()
+        if act is not None:
+            Controller(_Always({20}), act).attach(opt)
+        for step in range(21):
+            _step(model, opt, x, y)
+            if step == 20:
+                for p in model.parameters():
+                    p.grad.mul_(1e3)  # a spike
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+        moved[act is None] = max(float((p - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True))
+    assert moved[False] < 0.5 * moved[True]  # v_hat >= g^2: at most about lr * |m_hat| / |g| per coordinate
+
+
+def test_rollback_restores_a_snapshot_and_measures_its_cost():
+    model, opt = _model_opt()
+    rb = Rollback(every=5, size=2)
+    ctrl = Controller(_Always({17}), rb).attach(opt)
+    x, y = torch.randn(32, 6), torch.randn(32, 1)
+    kept = {}
+    for step in range(18):
+        _step(model, opt, x, y)
+        opt.step()
+        if step in (4, 9, 14):
+            kept[step] = [p.detach().clone() for p in model.parameters()]
+    # snapshots after steps 9 and 14 are in the ring (size 2); the rollback restores the older one
+    for a, b in zip(model.parameters(), kept[9], strict=True):
+        assert torch.equal(a, b)
+    assert rb.restored == 1 and rb.cost_s > 0 and rb.bytes > 0
+    assert ctrl.attrs()["rollback_restored"] == 1
+
+
+def test_nonfinite_gradients_are_skipped():
+    model, opt = _model_opt()
+    ctrl = Controller(NonFinite(), Skip()).attach(opt)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    _step(model, opt, x, y)
+    opt.step()
+    _step(model, opt, x, y)
+    next(model.parameters()).grad[0, 0] = math.nan
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before, strict=True))
+    assert ctrl.records()["intervened"].tolist() == [0, 1]
+
+
+def test_olmo_rule_on_the_device_matches_the_streaming_window_z():
+    """OlmoSkip decides as WindowZ (z > 6 over 128) of the loss or the gradient norm, and undoes the step exactly."""
+    model, opt = _model_opt()
+    olmo = OlmoSkip(window=16, min_periods=8).attach(opt)
+    zl, zg = WindowZ(window=16, min_periods=8), WindowZ(window=16, min_periods=8)
+    gen = torch.Generator().manual_seed(0)
+    expect, undone = [], []
+    for step in range(40):
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)
+        if step in (20, 31):
+            x = x * 50
+        loss = _step(model, opt, x, y)
+        g = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])))
+        expect.append(zl.alarm(zl.update(float(loss))) or zg.alarm(zg.update(g)))
+        olmo.observe(loss, step=step)
+        before = _state(model, opt)
+        opt.step()
+        if expect[-1]:
+            undone.append(all(torch.equal(a, b) for a, b in zip(before[0], _state(model, opt)[0], strict=True)))
+    got = olmo.records()["intervened"].astype(bool).tolist()
+    assert got == expect and any(expect) and all(undone)
+
+
+def test_controller_through_the_monitor_pre_step_view():
+    model, opt = _model_opt()
+    mon = Monitor(model, opt)
+    ctrl = Controller(_Always({2}), Skip()).attach(opt, mon)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    for _ in range(4):
+        _step(model, opt, x, y)
+        opt.step()
+    mon.close()
+    ctrl.close()
+    assert ctrl.records()["intervened"].tolist() == [0, 0, 1, 0]
+    assert mon.to_dataset().update_norm.values[2] == 0  # the Monitor saw the skipped update as none
+
+
+def _readme_block(marker: str) -> str:
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Closed-loop control", 1)[1].split("\n## ", 1)[0]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if marker in b]
+    assert len(blocks) == 1, f"one README example with {marker!r} expected"
+    return blocks[0]
+
+
+def test_readme_plain_torch_loop():
+    ns: dict = {}
+    exec(compile(_readme_block("Skip()"), "README:controller-torch", "exec"), ns)
+    assert 150 in ns["rec"]["intervened"].nonzero()[0]  # the outlier batch's step
+
+
+def test_readme_sb3_learn():
+    pytest.importorskip("stable_baselines3")
+    ns: dict = {}
+    exec(compile(_readme_block("PPO("), "README:controller-sb3", "exec"), ns)
+    assert len(ns["ctrl"].records()["action"]) == 4 * 2 * (256 // 64)  # 4 rollouts x 2 epochs x 4 minibatches
+
+
+def test_fast_robust_z_equals_robust_z_bit_for_bit():
+    from stabstudy.analysis.warning.detectors import RobustZ
+    from stabstudy.interventions.control.fastz import FastRobustZ
+
+    rng = np.random.default_rng(0)
+    x = np.log10(np.abs(rng.standard_cauchy(600)) + 0.1)
+    x[[50, 51, 300]] = np.nan
+    x[100:140] = 0.5  # ties: a constant stretch (MAD 0, the floor)
+    for kw in ({}, {"window": 16, "min_periods": 4, "side": "up"}, {"ewma": 0.3, "clip": 4.0}):
+        a, b = RobustZ(**kw), FastRobustZ(**kw)
+        sa = np.array([a.update(v) for v in x])
+        sb = np.array([b.update(v) for v in x])
+        np.testing.assert_array_equal(sa, sb)
+
+
+def test_raise_noise_multiplies_the_knob_for_a_while_then_restores_it():
+    from stabstudy.interventions.control import RaiseNoise
+
+    knob = {"ent_coef": 0.01}
+    model, opt = _model_opt()
+    act = RaiseNoise(lambda: knob["ent_coef"], lambda v: knob.update(ent_coef=v), factor=5.0, duration=3)
+    Controller(_Always({1}), act).attach(opt)
+    x, y = torch.randn(8, 6), torch.randn(8, 1)
+    seen = []
+    for _ in range(6):
+        _step(model, opt, x, y)
+        opt.step()
+        seen.append(knob["ent_coef"])
+    np.testing.assert_allclose(seen, [0.01, 0.05, 0.05, 0.01, 0.01, 0.01])
+
+
+# -- the study's analysis (notebook 05) on synthetic runs ----------------------------------------
+def _synthetic_study():
+    import xarray as xr
+
+    from stabstudy.analysis.studies import closed_loop as study
+
+    events = [["lr_spike", 100.0, 5]]
+    hp = {"lr": 0.003, "width": 16}
+    specs = study.uncontrolled_grid("toy", 100, [0, 1, 2, 3], 50, events, **hp)
+    specs += study.controlled_grid("toy", 100, [0, 1, 2, 3], 50, events, ["z_skip", "clip1"], {"z": 7.0}, **hp)
+    table = study.run_table(specs)
+    rng = np.random.default_rng(0)
+    steps = np.arange(100)
+    loss, inter = [], []
+    for _, r in table.iterrows():
+        base = 2.0 * np.exp(-steps / 40) + 0.3 + 0.01 * rng.standard_normal(100)
+        iv = np.zeros(100)
+        if r.event != "none":
+            hurt = 1.0 if r.controller == "none" else (0.02 if r.controller == "z_skip" else 0.5)
+            base[50:] += hurt
+            if r.controller != "none":
+                iv[51] = 1
+        elif r.controller == "clip1":
+            iv[::10] = 1  # clipping acts all along
+        loss.append(base)
+        inter.append(iv)
+    ds = xr.Dataset({"loss": (("run", "step"), np.array(loss)), "intervened": (("run", "step"), np.array(inter)),
+                     "grad_norm": (("run", "step"), np.exp(-np.array(loss)))},
+                    coords={"run": table.index.values, "step": steps, "status": ("run", ["ok"] * len(table))})
+    return study, ds, table
+
+
+def test_closed_loop_outcomes_table_and_claims():
+    study, ds, table = _synthetic_study()
+    out = study.outcomes(ds, table, collapse_excess={"toy": 0.3}, recover_excess={"toy": 0.05}, final_window=10,
+                         smooth=3)
+    pert = out[out.event != "none"]
+    assert pert[pert.controller == "none"].collapse.all()
+    assert not pert[pert.controller == "z_skip"].collapse.any()
+    assert (pert[pert.controller != "none"].first_action == 1).all()
+    assert (out[(out.controller == "clip1") & (out.event == "none")].per_1k == 100).all()
+    assert table[table.controller == "z_skip"].threshold.eq(7.0).all() and table[table.controller == "clip1"].threshold.isna().all()
+    paired = study.paired_table(out, [1, 2, 3])
+    row = paired.set_index("controller").loc["z_skip"]
+    assert row.collapse_without == 4 and row.collapse_with == 0 and row.false_per_1k == 0
+    assert study.choose_primary(out, [0], ["z_skip"]) == "z_skip"
+    cl = {c.claim.split(":")[0]: c for c in study.claims(out[out.seed.isin([1, 2, 3])], primary="z_skip",
+                                                          evaluation_seeds=[1, 2, 3], budget=2.0, margin=0.05,
+                                                          comparators=["clip1", "olmo"])}
+    assert cl["z_skip prevents collapse (paired runs near the critical dose)"].verdict == "inconclusive"  # 3 pairs
+    assert cl["z_skip beats clip1"].verdict == "supported"
+    assert cl["z_skip beats olmo (less damage)"].verdict == "not tested"  # no olmo runs
+    assert cl["z_skip is selective"].verdict in ("supported", "inconclusive")
+
+
+def test_calibration_replays_what_the_controllers_compute_and_keeps_published_floors():
+    from stabstudy.analysis.studies import closed_loop as study
+
+    _, ds, table = _synthetic_study()
+    null = table[(table.event == "none") & (table.controller == "none")].index
+    thr = study.calibrate(ds, list(null), budget=2.0, window=16)
+    assert (thr.threshold >= pd.Series(study.PUBLISHED)).all()
+    # the replayed robust z is the controller's own score: its alarms at the calibrated threshold
+    run = null[0]
+    g, loss = ds.grad_norm.sel(run=run).values, ds.loss.sel(run=run).values
+    sc = study.replay_scores(g, loss, window=16)["z"]
+    ctrl = control.build("z_skip", threshold=1e9, window=16)
+    model, opt = _model_opt()
+    ctrl.attach(opt)
+    for t in range(len(g)):
+        ctrl.observe(loss[t])
+        ctrl._pre(opt, torch.tensor(g[t], dtype=torch.float64))
+        ctrl._post(opt)
+    got = np.array([ctrl.scores.get(t, np.nan) for t in range(len(g))]) * 1e9
+    np.testing.assert_allclose(got, sc, rtol=1e-12, equal_nan=True)
