@@ -30,7 +30,7 @@ from stabstudy.interventions.control.actions import (
     Rollback,
     Skip,
 )
-from stabstudy.interventions.control.controller import Controller, NonFinite
+from stabstudy.interventions.control.controller import Controller, NonFinite, StepHooks, as_records
 from stabstudy.interventions.control.fastz import FastRobustZ
 
 #: Names a learner accepts (``hparams.controller``), with what each does.
@@ -88,7 +88,7 @@ class ZClipController(Controller):
             self._acted[self._current_step()] = ACTION_CODES["clip"]
 
 
-class OlmoSkip:
+class OlmoSkip(StepHooks):
     """OLMo-core's skip-step rule with the decision on the device (no host sync).
 
     As ``SkipStepOptimizer.get_step_factor`` of OLMo-core: the last ``window`` losses and gradient
@@ -125,12 +125,6 @@ class OlmoSkip:
         self._handles += [optimizer.register_step_pre_hook(lambda o, a, k: self._pre(o)),
                           optimizer.register_step_post_hook(lambda o, a, k: self._post(o))]
         return self
-
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.optimizer = None
 
     def observe(self, loss: Any = None, step: int | None = None) -> None:
         if loss is not None:
@@ -187,13 +181,8 @@ class OlmoSkip:
 
     def records(self, steps: int | None = None) -> dict[str, np.ndarray]:
         n = steps if steps is not None else (max(s for s, _ in self._flags) + 1 if self._flags else 0)
-        action = np.zeros(n)
-        if self._flags:
-            flags = torch.stack([f for _, f in self._flags]).cpu().numpy()  # the one host copy
-            for (s, _), f in zip(self._flags, flags, strict=True):
-                if 0 <= s < n and f:
-                    action[s] = ACTION_CODES["skip"]
-        return {"intervened": (action > 0).astype(float), "action": action}
+        flags = torch.stack([f for _, f in self._flags]).cpu().numpy() if self._flags else []  # the one host copy
+        return as_records({s: ACTION_CODES["skip"] for (s, _), f in zip(self._flags, flags, strict=True) if f}, n)
 
     def attrs(self) -> dict[str, Any]:
         return {"controller_policy": "skip (device-side undo)",

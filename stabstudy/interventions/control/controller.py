@@ -67,7 +67,37 @@ class Policy:
         return s if self.escalate is None else f"{s}; after {self.after} alarms in a row: {self.escalate.describe()}"
 
 
-class Controller:
+def as_records(codes: Mapping[int, float], n: int) -> dict[str, np.ndarray]:
+    """``intervened`` (0/1) and ``action`` (codes) for steps ``0 .. n - 1`` from ``step -> code``."""
+    action = np.zeros(n)
+    for s, c in codes.items():
+        if 0 <= s < n:
+            action[s] = c
+    return {"intervened": (action > 0).astype(float), "action": action}
+
+
+class StepHooks:
+    """What every controller shares: the optimizer it is attached to and the hooks :meth:`close`
+    removes (the records stay; attaching again resumes). A context manager."""
+
+    optimizer: torch.optim.Optimizer | None
+    _handles: list[Any]
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.optimizer = None
+
+    def __enter__(self) -> StepHooks:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class Controller(StepHooks):
     """A detector (or ``{signal: detector}``) and a :class:`Policy` (or a bare :class:`Action`).
 
     Args:
@@ -120,19 +150,6 @@ class Controller:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._pre(opt, None)))
         self._handles.append(optimizer.register_step_post_hook(lambda opt, args, kwargs: self._post(opt)))
         return self
-
-    def close(self) -> None:
-        """Remove the hooks (the records and the detectors' state stay; :meth:`attach` again resumes)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self.optimizer = None
-
-    def __enter__(self) -> Controller:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def observe(self, loss: Any = None, step: int | None = None) -> None:
         """Give this step's loss (a float or tensor; read as a float only when a detector reads
@@ -198,11 +215,7 @@ class Controller:
         """``intervened`` (0/1) and ``action`` (codes) for steps ``0 .. steps - 1`` (default: every
         step seen)."""
         n = steps if steps is not None else max([self._count - 1, *self._acted]) + 1
-        action = np.zeros(n)
-        for s, c in self._acted.items():
-            if 0 <= s < n:
-                action[s] = c
-        return {"intervened": (action > 0).astype(float), "action": action}
+        return as_records(self._acted, n)
 
     def attrs(self) -> dict[str, Any]:
         """What describes the controller in a run's attributes (rollback cost included)."""
