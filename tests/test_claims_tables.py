@@ -373,3 +373,21 @@ def test_precision_equivalence_is_tost_against_the_stated_margin(margin):
     a.loc[a.precision == "bf16_autocast", "final_loss"] += 0.03 * 2.0  # 3% above float32
     v = verdicts(precision.claims_table(a, b, rho, logit, equivalence_margin=margin))
     assert find(v, "bf16 autocast reaches float32") == ("not supported" if margin == 0.02 else "supported")
+
+
+def test_rl_comparison_rows_keep_the_controls_and_each_kind_at_its_dose_only():
+    t = pd.DataFrame({"pert_kind": ["none", "lr_spike", "lr_spike", "action_noise", "reward_scale", "none"],
+                      "pert_dose": [1.0, 30.0, 100.0, 1.0, 30.0, 1.0],
+                      "noise_after_fork": ["same"] * 5 + [0.3]})
+    out = rl_comparison.comparison_rows(t, {"lr_spike": 30.0, "action_noise": 1.0})
+    assert out.index.tolist() == [0, 1, 3]  # not x100, not a kind left out, not another noise knob
+
+
+def test_rl_first_last_returns_skip_rows_without_evaluations():
+    import xarray as xr
+
+    perf = np.array([[np.nan, -300.0, np.nan, 2000.0], [np.nan] * 4])
+    ds = xr.Dataset({"perf": (("run", "step"), perf)}, coords={"run": ["a", "b"], "step": np.arange(4)})
+    ends = rl_comparison.first_last_returns(ds)
+    assert ends.loc["a"].tolist() == [-300.0, 2000.0]
+    assert ends.loc["b"].isna().all()

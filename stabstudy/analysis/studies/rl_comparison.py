@@ -159,6 +159,28 @@ def eval_curves(ds: xr.Dataset, env_grid: Sequence[int] | None = None) -> xr.Dat
     return xr.DataArray(out, dims=("run", "env_step"), coords=coords, name="perf")
 
 
+def first_last_returns(ds: xr.Dataset):
+    """Per run of ``ds`` (:func:`stabstudy.run.store.load_runs`, dims ``(run, step)``): its first
+    evaluation return (``untrained`` for a prefix trained from scratch) and its last (``final``),
+    NaN for a run without evaluations. A pandas DataFrame indexed by the run (spec hash)."""
+    import pandas as pd
+
+    rows = {}
+    for run in ds.run.values:
+        perf = ds.perf.sel(run=run).dropna("step").values
+        rows[run] = (perf[0], perf[-1]) if perf.size else (np.nan, np.nan)
+    return pd.DataFrame.from_dict(rows, orient="index", columns=["untrained", "final"])
+
+
+def comparison_rows(table, doses: Mapping[str, float]):
+    """The rows of :func:`summarize` that the algorithm comparison reads: the unperturbed forks and
+    each perturbation kind of ``doses`` at its comparison dose, all at the prefix's own noise knob."""
+    keep = table.pert_kind == "none"
+    for kind, dose in doses.items():
+        keep |= (table.pert_kind == kind) & (table.pert_dose == dose)
+    return table[keep & (table.noise_after_fork == "same")]
+
+
 def _stop_env_step(ds: xr.Dataset, i: int) -> float:
     """Last env step run ``i`` recorded (where training stopped; NaN when none)."""
     env = ds["env_step"]
