@@ -366,5 +366,51 @@ def test_calibration_replays_what_the_controllers_compute_and_keeps_published_fl
         ctrl.observe(loss[t])
         ctrl._pre(opt, torch.tensor(g[t], dtype=torch.float64))
         ctrl._post(opt)
-    got = np.array([ctrl.scores.get(t, np.nan) for t in range(len(g))]) * 1e9
+    got = np.array([ctrl.scores.get(t, np.nan) for t in range(len(g))])
     np.testing.assert_allclose(got, sc, rtol=1e-12, equal_nan=True)
+
+
+def _clipped_run(ctrl, clip: float = 0.05, outlier: int = 30, steps: int = 40):
+    """A loop that clips every step's gradient between backward() and step() (as SB3's PPO does),
+    with an outlier batch at ``outlier``; returns the pre-clip norms."""
+    model, opt = _model_opt()
+    ctrl.attach(opt, before_clip=True) if ctrl is not None else None
+    gen = torch.Generator().manual_seed(1)
+    raw = []
+    for step in range(steps):
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)
+        _step(model, opt, x, y * 100 if step == outlier else y)
+        raw.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if ctrl is not None:
+            ctrl.observe(step=step)
+        opt.step()
+    return raw
+
+
+def test_before_clip_judges_the_gradient_as_backward_left_it():
+    """Clipped at 0.05, every step's norm reaches the optimizer as 0.05: only the pre-clip norm shows the outlier."""
+    from stabstudy.analysis.warning.detectors import RobustZ
+
+    ctrl = Controller(RobustZ(window=16, min_periods=8, side="up", threshold=6.0), Skip(), log=True)
+    raw = _clipped_run(ctrl)
+    assert min(raw) > 0.05  # the clip acted on every step
+    assert ctrl.records()["intervened"].nonzero()[0].tolist() == [30]
+    # without before_clip the same detector sees a constant norm and never alarms
+    model, opt = _model_opt()
+    blind = Controller(RobustZ(window=16, min_periods=8, side="up", threshold=6.0), Skip(), log=True).attach(opt)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(40):
+        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)
+        _step(model, opt, x, y * 100 if step == 30 else y)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+    assert blind.n_actions == 0
+
+
+def test_olmo_without_a_loss_judges_the_norm_alone():
+    """SB3 gives the hooks no loss: OlmoSkip then skips on the (pre-clip) gradient norm only."""
+    olmo = OlmoSkip(window=16, min_periods=8)
+    raw = _clipped_run(olmo)
+    z = WindowZ(window=16, min_periods=8)
+    expect = [z.alarm(z.update(g)) for g in raw]
+    assert olmo.records()["intervened"].astype(bool).tolist() == expect and expect[30]

@@ -100,7 +100,10 @@ class OlmoSkip(StepHooks):
     device, whatever the optimizer (OLMo-core multiplies the update by the factor inside its own
     AdamW instead). The values enter the window whether skipped or not, as in OLMo-core and as in
     :class:`~stabstudy.analysis.warning.detectors.WindowZ`, which the tests hold it equal to on
-    finite values. The copies cost two passes over the state per step.
+    finite values. The copies cost two passes over the state per step. A step whose loss was never
+    given (:meth:`observe`) is judged by its gradient norm alone (stable-baselines3 hands no loss to
+    the optimizer's hooks). ``attach(..., before_clip=True)`` judges the norm before the learner's
+    clipping, as OLMo-core does (it reads the norm its clipping returns).
     """
 
     name = "olmo"
@@ -117,8 +120,10 @@ class OlmoSkip(StepHooks):
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._skip: torch.Tensor | None = None
 
-    def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None) -> OlmoSkip:
+    def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None, *, before_clip: bool = False) -> OlmoSkip:
         self.optimizer = optimizer
+        if before_clip:
+            self._watch_raw(optimizer)
         dev = optimizer.param_groups[0]["params"][0].device
         if getattr(self, "_buf", None) is None or self._buf.device != dev:  # a re-attach keeps the window
             self._buf = torch.zeros((2, self.window), dtype=torch.float32, device=dev)
@@ -142,10 +147,14 @@ class OlmoSkip(StepHooks):
         if not params:
             return
         dev = self._buf.device
-        gn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params]))).float()
+        gn = self._raw_norm()
+        if gn is None:
+            gn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+        gn = gn.to(dev, torch.float32)
         loss = self._loss.to(dev, torch.float32) if self._loss is not None else torch.tensor(math.nan, device=dev)
         if self._n >= self.min_periods:
-            skip = ~torch.logical_and(self._within(0, loss), self._within(1, gn))
+            ok = self._within(1, gn)
+            skip = ~(torch.logical_and(self._within(0, loss), ok) if self._loss is not None else ok)
         else:
             skip = torch.zeros((), dtype=torch.bool, device=dev)
         self._buf[:, self._n % self.window] = torch.stack([loss, gn])

@@ -8,6 +8,12 @@ computed anyway. The detectors are those of :mod:`stabstudy.analysis.warning.det
 object with ``update(value) -> score`` and ``alarm(score)``), fed with ``grad_norm`` (read in the
 pre-hook) and ``loss`` (given with :meth:`Controller.observe` before ``optimizer.step()``).
 
+With ``attach(..., before_clip=True)`` the detectors judge the gradient as ``backward()`` left it,
+read in each parameter's post-accumulate-grad hook, not as the optimizer receives it: a learner
+that clips between ``backward()`` and ``step()`` (stable-baselines3's PPO at norm 0.5, nanoGPT's
+``grad_clip``) otherwise shows the detector a norm pinned at the clip value. The actions still see
+the gradient the optimizer steps with.
+
 Reading the norm as a float is one host sync per step on a GPU (none on a CPU); the OLMo rule of
 :mod:`~stabstudy.interventions.control.comparators` decides on the device instead.
 
@@ -77,11 +83,34 @@ def as_records(codes: Mapping[int, float], n: int) -> dict[str, np.ndarray]:
 
 
 class StepHooks:
-    """What every controller shares: the optimizer it is attached to and the hooks :meth:`close`
-    removes (the records stay; attaching again resumes). A context manager."""
+    """What every controller shares: the optimizer it is attached to, the hooks :meth:`close`
+    removes (the records stay; attaching again resumes), and the norm of the gradients as
+    ``backward()`` left them (:meth:`_watch_raw`). A context manager."""
 
     optimizer: torch.optim.Optimizer | None
     _handles: list[Any]
+    _raw: dict[int, torch.Tensor] | None = None
+
+    def _watch_raw(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep each parameter's squared gradient norm from its post-accumulate-grad hook, i.e.
+        before anything between ``backward()`` and ``step()`` (clipping) changes it. Keyed by
+        parameter, so with gradient accumulation the last (accumulated) value counts."""
+        self._raw = {}
+        raw = self._raw
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(
+                        lambda t: raw.__setitem__(id(t), torch.linalg.vector_norm(t.grad.detach(), dtype=torch.float32) ** 2)))
+
+    def _raw_norm(self) -> torch.Tensor | None:
+        """The norm of this step's gradients before any clipping (on the device), or None when not
+        watched or no backward ran; resets for the next step."""
+        if not self._raw:
+            return None
+        out = torch.stack(list(self._raw.values())).sum().sqrt()
+        self._raw.clear()
+        return out
 
     def close(self) -> None:
         """Remove the hooks."""
@@ -131,16 +160,20 @@ class Controller(StepHooks):
         self._step: int | None = None  # the learner's step, when observe() names it
         self._count = 0  # steps seen
         self._acted: dict[int, int] = {}  # step -> action code
-        self.scores: dict[int, float] = {}  # step -> largest score / threshold (alarm where > 1)
+        self.scores: dict[int, float] = {}  # step -> largest finite score of its detectors
         self.optimizer: torch.optim.Optimizer | None = None
 
     # -- attaching ----------------------------------------------------------------------
-    def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None) -> Controller:
+    def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None, *,
+               before_clip: bool = False) -> Controller:
         """Hook into ``optimizer`` (through ``monitor``'s pre-step view when given: the Monitor
-        must watch that optimizer). Returns self."""
+        must watch that optimizer). ``before_clip``: the detectors judge the gradient norm as
+        ``backward()`` left it (see the module docstring). Returns self."""
         if self.optimizer is not None:
             raise RuntimeError("this controller is attached already; build one per optimizer")
         self.optimizer = optimizer
+        if before_clip:
+            self._watch_raw(optimizer)
         if monitor is not None:
             def via_monitor(opt, stats):
                 if opt is optimizer:
@@ -174,7 +207,8 @@ class Controller(StepHooks):
                 return
             grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
         g = float(grad_norm)
-        values = {"grad_norm": g, "loss": self._loss}
+        raw = self._raw_norm()
+        values = {"grad_norm": g if raw is None else float(raw), "loss": self._loss}
         alarm, worst = False, -math.inf
         for sig, det in self.detectors.items():  # every detector sees every step
             v = values[sig]
@@ -183,8 +217,8 @@ class Controller(StepHooks):
             score = det.update(v)
             if det.alarm(score):
                 alarm = True
-            if math.isfinite(score) and det.threshold != 0:
-                worst = max(worst, score / det.threshold)
+            if math.isfinite(score):
+                worst = max(worst, score)
         step = self._current_step()
         if worst > -math.inf:
             self.scores[step] = worst
