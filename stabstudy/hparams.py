@@ -20,7 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Literal
 
-#: Closed-loop controllers and comparators a toy or LM run can attach (stabstudy.interventions.control).
+#: Closed-loop controllers and comparators a toy, LM or RL run can attach (stabstudy.interventions.control).
 ControllerName = Literal["none", "z_skip", "z_lr", "z_adam", "z_rollback", "z_clip", "olmo", "zclip", "clip1",
                          "nonfinite"]
 
@@ -221,6 +221,16 @@ class RLCommon:
     """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
     noise_after_fork: float | Literal["same"] = "same"
     """a fork's own noise knob (registry.NOISE_KNOB) from the fork on; "same": the prefix's value"""
+    controller: ControllerName = "none"
+    """closed-loop controller on the optimizer the updates are counted by (policy; SAC/TD3: critic), judging the pre-clip norm"""
+    controller_threshold: float = 0.0
+    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
+    controller_window: int = 64
+    """trailing updates of the controller's robust z"""
+    controller_backoff: float = 0.1
+    """lr factor of the controller's lr back-off at an alarm"""
+    controller_recovery: int = 50
+    """updates over which the lr back-off recovers linearly to 1"""
 
 
 @dataclass(frozen=True)

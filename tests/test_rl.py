@@ -11,6 +11,7 @@ import xarray as xr
 from stable_baselines3.common.callbacks import CallbackList
 
 from stabstudy.analysis.studies import rl_comparison as study
+from stabstudy.interventions import control
 from stabstudy.interventions.perturb import Perturbation, Schedule
 from stabstudy.learners import rl as rlpkg
 from stabstudy.learners.rl import envs
@@ -420,3 +421,26 @@ def test_mujoco_warnings_go_through_python_warnings(tmp_path, monkeypatch):
     assert not (tmp_path / "MUJOCO_LOG.TXT").exists()
     with pytest.warns(RuntimeWarning, match="MuJoCo: something else"):
         mujoco.get_mju_user_warning()("something else")
+
+
+@pytest.mark.parametrize("algo", ["ppo", "sac"])
+def test_a_controller_that_never_alarms_changes_nothing_and_records_its_scores(algo):
+    """Stationary in stable states, in SB3 too: bit-identical to the run without a controller;
+    its detector's scores (of the pre-clip norm) are filed per update for calibration."""
+    free = rl.run(spec(algo))
+    watch = rl.run(spec(algo, controller="z_skip", controller_threshold=1e9, controller_window=16))
+    for ch in ("perf", "loss", "grad_norm", "update_norm", "adam_v_mean", "value_loss"):
+        np.testing.assert_array_equal(free[ch].values, watch[ch].values, err_msg=ch)
+    assert watch.intervened.sum() == 0 and np.isfinite(watch.controller_score.values).sum() > 10
+    assert "controller_policy" in watch.attrs
+
+
+def test_ppo_controller_acts_on_the_pre_clip_norm_and_files_its_actions():
+    """PPO clips at 0.5, so the norm its optimizer sees is pinned there; the controller reads the norm
+    before the clip, acts on an lr spike's aftermath and files what it did on the update rows."""
+    lr = (Perturbation("lr_spike", 128, 64, 300.0),)
+    ds = rl.run(spec("ppo", perts=lr, controller="z_skip", controller_threshold=2.0, controller_window=16))
+    acted = ds.intervened.values > 0
+    assert acted.any() and set(ds.action.values[acted]) == {control.ACTION_CODES["skip"]}
+    assert np.nanmax(ds.grad_norm.values) <= 0.5 + 1e-6  # what the optimizer saw: no spike to see there
+    assert ds.attrs["controller_detectors"].startswith("FastRobustZ")

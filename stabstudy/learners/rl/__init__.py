@@ -8,6 +8,7 @@ holds the SB3 callbacks (one job each, usable in any SB3 script) and
 """
 
 from stabstudy.learners.rl.callbacks import (
+    ControllerCallback,
     DiagnosticsCallback,
     DivergenceCallback,
     EpisodeReturnCallback,
@@ -21,6 +22,7 @@ from stabstudy.learners.rl.learner import build_model, callbacks_for, run
 from stabstudy.learners.rl.recorder import Recorder
 
 __all__ = [
+    "ControllerCallback",
     "DiagnosticsCallback",
     "DivergenceCallback",
     "EpisodeReturnCallback",

@@ -18,6 +18,8 @@ composed with SB3's ``CallbackList``, in any order::
 * :class:`DiagnosticsCallback`: per-``train()`` diagnostics (``entropy``, ``approx_kl``, ``q_mean``, ...);
 * :class:`DivergenceCallback`: marks the run diverged on non-finite / exploding values, which stops training;
 * :class:`EpisodeReturnCallback`: true returns of the finished training episodes.
+* :class:`ControllerCallback`: closed-loop control (:mod:`stabstudy.interventions.control`) of the
+  optimizer the updates are counted by, its actions filed per update.
 
 :class:`RecorderCallback` is their base: subclass it for a callback of your own that
 shares the recorder.
@@ -94,6 +96,7 @@ from stable_baselines3.common.callbacks import BaseCallback
 
 from stabstudy.instruments.precision import all_finite
 from stabstudy.instruments.telemetry import Monitor
+from stabstudy.interventions.control import Controller, OlmoSkip
 from stabstudy.interventions.perturb import Perturbation, Schedule, add_weight_noise, reinit_layer
 from stabstudy.learners.rl.envs import ENV_KINDS, env_wrapper
 from stabstudy.learners.rl.recorder import PARAMETRIC_KINDS, Recorder, exploding, optimizers_of
@@ -519,3 +522,53 @@ class EpisodeReturnCallback(RecorderCallback):
             if ep is not None:
                 rec.episode_returns.setdefault(rec.n_updates, []).append(float(ep["r"]))
         return super()._on_step()
+
+
+class ControllerCallback(RecorderCallback):
+    """A closed-loop controller (:mod:`stabstudy.interventions.control`) on the optimizer the
+    recorder counts updates by (PPO/A2C: ``policy``; SAC/TD3/DDPG: ``critic``), attached at
+    training start with ``before_clip``: its detector reads the gradient norm before SB3's own
+    clipping (PPO/A2C ``max_grad_norm``), which pins the norm the optimizer sees at the clip value.
+    SB3 gives the optimizer's hooks no loss, so the detectors read the norm alone. To control
+    another optimizer too, attach a :class:`~stabstudy.interventions.control.Controller` to it by
+    hand.
+
+    At training end it files, per update, ``intervened`` (1 where it acted), ``action`` (a code of
+    :data:`~stabstudy.interventions.control.ACTION_CODES`) and ``controller_score`` (the largest
+    score of its detectors; a controller with an unreachable threshold records what it would have
+    seen, for calibration) on the recorder's rows.
+
+    Args:
+        recorder: the shared :class:`Recorder` (None: a new one).
+        controller: an unattached controller (e.g. ``control.build("z_lr")``).
+    """
+
+    def __init__(self, recorder: Recorder | None = None, controller: Controller | OlmoSkip | None = None,
+                 verbose: int = 0):
+        super().__init__(recorder, verbose)
+        if controller is None:
+            raise ValueError("ControllerCallback needs a controller (stabstudy.interventions.control.build)")
+        self.controller = controller
+        self._n0 = 0
+
+    def _on_training_start(self) -> None:
+        opts = optimizers_of(self.model)
+        self._n0 = self.recorder.n_updates
+        self.controller.attach(opts.get("critic", opts.get("policy")), before_clip=True)
+
+    def _training_end(self) -> None:
+        n = self.recorder.n_updates - self._n0  # updates of this learn() call: row n0 + i + 1 is update i
+        rec = self.controller.records(n)
+        scores = getattr(self.controller, "scores", {})
+        for i in range(n):
+            row = self.recorder.row(self._n0 + i + 1)
+            row["intervened"], row["action"] = float(rec["intervened"][i]), float(rec["action"][i])
+            if i in scores:
+                row["controller_score"] = float(scores[i])
+
+    def attrs(self) -> dict[str, Any]:
+        """What describes the controller in the run's attributes."""
+        return self.controller.attrs()
+
+    def close(self) -> None:
+        self.controller.close()

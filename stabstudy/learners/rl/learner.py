@@ -41,9 +41,11 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize
 
 from stabstudy.hparams import defaults, merged
 from stabstudy.instruments.precision import all_finite
+from stabstudy.interventions import control
 from stabstudy.learners.rl import forks
 from stabstudy.learners.rl.callbacks import (
     EVAL_SEED_OFFSET,
+    ControllerCallback,
     DiagnosticsCallback,
     DivergenceCallback,
     EpisodeReturnCallback,
@@ -128,6 +130,9 @@ def callbacks_for(spec: RunSpec, monitor: bool = True, evaluation: bool = True) 
                                       episodes=int(hp["eval_episodes"]), seed=spec.seed + EVAL_SEED_OFFSET))
     cbs.append(DiagnosticsCallback(rec, every=int(hp["diag_every"]), seed=spec.seed))
     cbs.append(DivergenceCallback(rec, threshold=float(hp["diverge_threshold"]), every=int(hp["diag_every"])))
+    ctrl = control.from_hparams(hp)
+    if ctrl is not None:  # after the lr-spike hooks (installed at init), so that its lr back-off acts on the spiked lr
+        cbs.append(ControllerCallback(rec, ctrl))
     return rec, CallbackList(cbs)
 
 
@@ -214,6 +219,9 @@ def run(spec: RunSpec) -> xr.Dataset:
     finally:
         close_callbacks(rec, cb)
     ds = rec.to_dataset()
+    for c in cb.callbacks:
+        if isinstance(c, ControllerCallback):
+            ds.attrs.update(c.attrs())
     ds.attrs.update(status="diverged" if rec.diverged else "ok", diverge_reason=rec.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(rec.n_updates), algo=spec.learner,
                     learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,

@@ -231,7 +231,9 @@ class Recorder:
             else:
                 mask[(env >= p.start) & (env < p.end)] = 1.0
         ds["perturbed"] = ("step", mask)
-        ds["intervened"] = ("step", np.zeros(ds.sizes["step"]))
+        # a ControllerCallback files the updates it acted on; every other row (and run) acted on none
+        ds["intervened"] = ("step", np.nan_to_num(ds["intervened"].values) if "intervened" in ds
+                            else np.zeros(ds.sizes["step"]))
         ds["step"].attrs["long_name"] = "gradient updates completed"
         ds["env_step"].attrs["long_name"] = "environment steps consumed"
         return ds
