@@ -53,6 +53,8 @@ def test_prefix_key_drops_perturbations_and_continuation_only_hparams():
     # every fork of one seed shares the prefix, whatever its perturbation and recording cadence
     assert forks.prefix_key(specs("sac")[1].replace(eval_every=32)) == key
     assert forks.prefix_specs([fork, specs("sac")[1], full]) == [key]
+    # ... and whatever controller it continues with
+    assert forks.prefix_key(fork.replace(hparams={"controller": "z_lr", "controller_threshold": 4.0})) == key
     # the default keeps every existing spec (and hash): prefix_steps is stored only when given
     assert "prefix_steps" not in full.hp
 

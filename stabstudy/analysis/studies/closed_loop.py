@@ -1,7 +1,8 @@
 """Notebook 05 (closed-loop monitor): the paired-counterfactual grid, threshold calibration,
 per-run outcomes, the paired table and the claims.
 
-Design. Per domain (small GPT ``lm``, toy MLP ``toy``), seed and event (a perturbation near its
+Design. Per domain (small GPT ``lm``, toy MLP ``toy``, and an RL learner, ``ppo``, forked from
+notebook 01's trained prefixes), seed and event (a perturbation near its
 critical dose), twins share the seed and hence the data order: the *uncontrolled* run, one run per
 *controller*, and per controller the *unperturbed-but-controlled* run; the unperturbed uncontrolled
 run of the seed is the reference of every outcome. A controller is the learner hyperparameter
@@ -13,7 +14,11 @@ budget (alarm steps per 1,000 steps) on the unperturbed uncontrolled runs of the
 by replaying the same streaming detectors over the stored channels: with no alarm, a controller
 changes nothing, so the replay sees what the controller would have seen. Fixed clipping at 1.0 and
 the non-finite skip have no threshold. False interventions and intrusiveness are measured on the
-other seeds only.
+other seeds only. RL runs store the gradient norm after SB3's clipping (pinned at PPO's 0.5), not the
+pre-clip norm the controller reads, so an RL domain's robust z is calibrated on *watch* runs
+instead: the unperturbed fork with a controller whose threshold no score reaches (bit-identical to
+the run without it), which files the score it would have compared (``controller_score``); the
+other rules keep their published thresholds there.
 
 Outcomes per run: ``final`` (mean training loss over the last ``final_window`` steps), ``diverged``,
 ``collapse`` (diverged, or ``final`` more than ``collapse_excess[domain]`` nats above the
@@ -21,6 +26,10 @@ reference's), ``damage`` (``final`` minus the reference's; NaN when diverged), `
 from the onset until the smoothed loss is back within ``recover_excess[domain]`` nats of the
 reference's; NaN if never), ``first_action`` (steps from the onset to the first intervention at or
 after it), interventions per 1,000 steps. Losses are cross-entropies in nats in both domains.
+An RL domain's outcomes are those of notebook 01 (:func:`.rl_comparison.summarize`): ``final`` the
+mean of the last evaluation returns, ``collapse`` its collapse rule (or diverged), ``damage`` the
+reference's final return minus the run's, as a fraction of the return ``scale`` (so that it pools
+with the losses' nats as "larger is worse"), ``recovery`` in env steps, and steps are updates.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import pandas as pd
 import xarray as xr
 
 from stabstudy.analysis import claims as C
-from stabstudy.analysis.studies import lm_spikes
+from stabstudy.analysis.studies import lm_spikes, rl_comparison
 from stabstudy.analysis.warning.detectors import RobustZ, WindowZ, ZClipZ
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.spec import RunSpec
@@ -85,14 +94,52 @@ def controlled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: i
     return out
 
 
+#: A controller threshold no score reaches: a *watch* run (bit-identical to the uncontrolled one)
+#: that files the scores its controller would have compared.
+WATCH = 1e9
+
+
+def rl_grid(learner: str, seeds: Sequence[int], events: Sequence[Sequence[Any]], controllers: Sequence[str],
+            thresholds: dict[str, float] | None, *, hp: dict[str, Any], prefix_steps: int,
+            controller_hp: dict[str, Any] | None = None, **fork_kw: Any) -> list[RunSpec]:
+    """Forks of ``learner``'s stored prefixes as notebook 01 builds them
+    (:func:`.rl_comparison.fork_grid` with ``hp`` and ``fork_kw``, so its uncontrolled forks are
+    shared): per seed the unperturbed fork and one per ``[kind, dose]`` event, uncontrolled and per
+    controller (with ``controller_hp``); a calibrated controller carries
+    ``thresholds[CALIBRATED[name]]`` (None: watch runs, :data:`WATCH`)."""
+    treatments = [("none", 1.0), *((str(k), float(d)) for k, d, *_ in events)]
+    kw = dict(env_duration=0, **fork_kw)
+    out = rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
+    for name in controllers:
+        h = {**hp, **(controller_hp or {}), "controller": name}
+        if name in CALIBRATED:
+            h["controller_threshold"] = WATCH if thresholds is None else float(thresholds[CALIBRATED[name]])
+        out += rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps},
+                                       hparams={learner: h}, **kw)
+    return out
+
+
+def watch_grid(learner: str, seeds: Sequence[int], *, hp: dict[str, Any], prefix_steps: int, window: int = 64,
+               **fork_kw: Any) -> list[RunSpec]:
+    """The unperturbed watch forks of ``seeds``: our robust z at an unreachable threshold."""
+    return [s for s in rl_grid(learner, seeds, (), ["z_skip"], None, hp=hp, prefix_steps=prefix_steps,
+                               controller_hp={"controller_window": window}, **fork_kw)
+            if s.hp.get("controller") == "z_skip"]
+
+
+def domain_of(spec: RunSpec) -> str:
+    """The domain name of the study: ``lm``, ``toy``, or the RL learner (``ppo``)."""
+    return spec.learner if spec.domain == "rl" else spec.domain
+
+
 def run_table(specs: Sequence[RunSpec]) -> pd.DataFrame:
     """One row per spec (index: spec hash): domain, seed, controller, event (``kind xdose/duration``
-    or ``none``), onset and the threshold given."""
+    or ``none``), onset (RL: env step) and the threshold given."""
     rows = []
     for s in dict.fromkeys(specs):
         hp = s.hp
         p = s.perturbations[0] if s.perturbations else None
-        rows.append({"run": s.spec_hash, "domain": s.domain, "seed": s.seed, "steps": s.steps,
+        rows.append({"run": s.spec_hash, "domain": domain_of(s), "seed": s.seed, "steps": s.steps,
                      "controller": str(hp.get("controller", "none")),
                      "threshold": float(hp.get("controller_threshold", math.nan)),
                      "event": f"{p.kind} x{p.dose:g}/{p.duration}" if p else "none",
@@ -135,15 +182,29 @@ def calibrate(ds: xr.Dataset, runs: Sequence[str], budget: float, window: int = 
         sc = replay_scores(ds.grad_norm.sel(run=r).values, ds.loss.sel(run=r).values, window)
         for k, v in sc.items():
             scores[k].append(v[np.isfinite(ds.loss.sel(run=r).values)])
-    rows = []
-    for k, parts in scores.items():
-        s = np.concatenate(parts) if parts else np.array([])
-        n = int(s.size)
-        allowed = int(math.floor(budget * n / 1000))
-        fin = np.sort(s[np.isfinite(s)])[::-1]
-        cal = float(f"{float(fin[allowed]) * 1.0001:.4g}") if fin.size > allowed else math.nan  # just above: '>' alarms
-        thr = max(cal, floor[k]) if math.isfinite(cal) else floor[k]
-        rows.append({"detector": k, "threshold": thr, "calibrated": cal, "steps": n, "alarms_allowed": allowed})
+    return pd.DataFrame([_threshold(k, np.concatenate(v) if v else np.array([]), budget, floor[k])
+                         for k, v in scores.items()]).set_index("detector")
+
+
+def _threshold(detector: str, s: np.ndarray, budget: float, floor: float) -> dict[str, Any]:
+    n = int(s.size)
+    allowed = int(math.floor(budget * n / 1000))
+    fin = np.sort(s[np.isfinite(s)])[::-1]
+    cal = float(f"{float(fin[allowed]) * 1.0001:.4g}") if fin.size > allowed else math.nan  # just above: '>' alarms
+    thr = max(cal, floor) if math.isfinite(cal) else floor
+    return {"detector": detector, "threshold": thr, "calibrated": cal, "steps": n, "alarms_allowed": allowed}
+
+
+def calibrate_watch(ds: xr.Dataset, runs: Sequence[str], budget: float, floor: dict[str, float] | None = None,
+                    ) -> pd.DataFrame:
+    """:func:`calibrate` for an RL domain: our robust z from the ``controller_score`` its watch
+    ``runs`` filed per update; ``olmo`` and ``zclip`` at their published thresholds
+    (``calibrated`` NaN: not calibrated)."""
+    floor = floor or PUBLISHED
+    parts = [ds.controller_score.sel(run=r).values[np.isfinite(ds.lr.sel(run=r).values)] for r in runs]
+    rows = [_threshold("z", np.concatenate(parts) if parts else np.array([]), budget, floor["z"])]
+    rows += [{"detector": k, "threshold": floor[k], "calibrated": math.nan, "steps": rows[0]["steps"],
+              "alarms_allowed": rows[0]["alarms_allowed"]} for k in ("olmo", "zclip")]
     return pd.DataFrame(rows).set_index("detector")
 
 
@@ -182,6 +243,37 @@ def outcomes(ds: xr.Dataset, table: pd.DataFrame, *, collapse_excess: dict[str, 
                 s, rs = _smooth(loss, smooth), _smooth(rloss, smooth)
                 ok = np.flatnonzero(s[on + 1:] <= rs[on + 1:] + recover_excess[r.domain])
                 row["recovery"] = float(ok[0] + 1) if ok.size else math.nan
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("run")
+
+
+def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: dict[str, float],
+                **summarize_kw: Any) -> pd.DataFrame:
+    """:func:`outcomes` for an RL domain (the module docstring): per run of ``table``, notebook 01's
+    summary (:func:`.rl_comparison.summarize` with ``scale``, ``floors`` and ``summarize_kw``)
+    against the unperturbed uncontrolled fork of the same seed; steps are updates (rows)."""
+    summ = rl_comparison.summarize(ds, scale=scale, floors=floors, **summarize_kw).set_index("spec_hash")
+    ref = table[(table.controller == "none") & (table.event == "none")]
+    ref_of = {(r.domain, r.seed): i for i, r in ref.iterrows()}
+    rows = []
+    for run, r in table.iterrows():
+        if run not in summ.index or (r.domain, r.seed) not in ref_of:
+            continue
+        m, rm = summ.loc[run], summ.loc[ref_of[(r.domain, r.seed)]]
+        upd = np.isfinite(ds.lr.sel(run=run).values)  # the rows of updates this run made
+        iv = np.nan_to_num(ds.intervened.sel(run=run).values)[upd]
+        pert = np.nan_to_num(ds.perturbed.sel(run=run).values)[upd]
+        diverged = m.status == "diverged"
+        fin = math.nan if diverged else float(m.final_return)
+        row = {"run": run, **r.to_dict(), "diverged": bool(diverged), "final": fin, "ref_final": float(rm.final_return),
+               "collapse": bool(diverged or m.collapsed == 1), "damage": (float(rm.final_return) - fin) / scale,
+               "interventions": int(iv.sum()), "per_1k": 1000 * float(iv.sum()) / max(int(upd.sum()), 1),
+               "n_steps": int(upd.sum()), "recovery": math.nan, "first_action": math.nan}
+        if r.onset >= 0 and pert.any():
+            on = int(np.flatnonzero(pert)[0])
+            after = np.flatnonzero(iv[on:] > 0)
+            row["first_action"] = float(after[0]) if after.size else math.nan
+            row["recovery"] = {"never_left": 0.0, "recovered": float(m.recovery_time)}.get(m.recovery_state, math.nan)
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
 
@@ -240,7 +332,7 @@ def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], 
                           "steps", k, n, budget, alpha))
     ref = base[base.event == "none"].set_index(["domain", "seed"]).reindex(
         null.set_index(["domain", "seed"]).index)
-    res.append(_tost(f"{primary} is non-intrusive: unperturbed final loss within {margin:.0%} of the run without "
+    res.append(_tost(f"{primary} is non-intrusive: unperturbed final loss (RL: return) within {margin:.0%} of the run without "
                      "it (TOST)", null.final.to_numpy(), ref.final.to_numpy(), margin, alpha))
     for comp in comparators:
         other = out[(out.controller == comp) & (out.event != "none")].set_index(key).reindex(pert.index)

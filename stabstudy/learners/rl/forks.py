@@ -64,8 +64,10 @@ from stabstudy.spec import RunSpec
 
 #: Version of the checkpoint layout; a checkpoint of another version is refused.
 FORMAT = 1
-#: Hyperparameters that act only after the fork: not part of the prefix key.
-CONTINUATION_ONLY = ("noise_after_fork",)
+#: Hyperparameters that act only after the fork: not part of the prefix key (a controlled fork
+#: continues the same prefix as the uncontrolled one).
+CONTINUATION_ONLY = ("noise_after_fork", "controller", "controller_threshold", "controller_window",
+                     "controller_backoff", "controller_recovery")
 #: Arrays of an SB3 replay buffer that a checkpoint keeps.
 BUFFER_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
 #: Wrapper attributes that are configuration of the new run, not state of the old one.
