@@ -81,6 +81,8 @@ class ToyHParams:
     """lr factor of the controller's lr back-off at an alarm"""
     controller_recovery: int = 50
     """steps over which the lr back-off recovers linearly to 1"""
+    controller_snapshot_every: int = 25
+    """steps between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class GPTHParams:
     """lr factor of the controller's lr back-off at an alarm"""
     controller_recovery: int = 50
     """steps over which the lr back-off recovers linearly to 1"""
+    controller_snapshot_every: int = 25
+    """steps between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,8 @@ class RLCommon:
     """lr factor of the controller's lr back-off at an alarm"""
     controller_recovery: int = 50
     """updates over which the lr back-off recovers linearly to 1"""
+    controller_snapshot_every: int = 25
+    """updates between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)

@@ -346,6 +346,19 @@ def test_closed_loop_outcomes_table_and_claims():
     assert cl["z_skip beats clip1"].verdict == "supported"
     assert cl["z_skip beats olmo (less damage)"].verdict == "not tested"  # no olmo runs
     assert cl["z_skip is selective"].verdict in ("supported", "inconclusive")
+    assert cl["z_skip reduces damage on toy (paired runs near the critical dose)"].verdict == "supported"
+
+
+def test_published_variants_of_the_calibrated_comparators():
+    from stabstudy.analysis.studies import closed_loop as study
+
+    thr = {"z": 7.0, "olmo": 8.0, "zclip": 2.5}  # the calibration moved olmo only
+    pub = study.published_grid("toy", 100, [0], 50, [["lr_spike", 100.0, 5]], ["z_skip", "olmo", "zclip", "clip1"],
+                               thr, lr=0.003)
+    assert {s.hp["controller"] for s in pub} == {"olmo"} and {s.hp["controller_threshold"] for s in pub} == {6.0}
+    cal = study.controlled_grid("toy", 100, [0], 50, [["lr_spike", 100.0, 5]], ["olmo"], thr, lr=0.003)
+    table = study.run_table(cal, pub)
+    assert sorted(table.controller.value_counts().items()) == [("olmo", 2), ("olmo@published", 2)]
 
 
 def test_calibration_replays_what_the_controllers_compute_and_keeps_published_floors():
@@ -414,3 +427,51 @@ def test_olmo_without_a_loss_judges_the_norm_alone():
     z = WindowZ(window=16, min_periods=8)
     expect = [z.alarm(z.update(g)) for g in raw]
     assert olmo.records()["intervened"].astype(bool).tolist() == expect and expect[30]
+
+
+def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
+    """PPO forks of a tiny Pendulum prefix: the uncontrolled grid is notebook 01's fork grid, the watch
+    run calibrates the robust z from the scores it filed, and the outcomes pair every run with the
+    unperturbed uncontrolled fork of its seed."""
+    from stabstudy.analysis.studies import closed_loop as study
+    from stabstudy.analysis.studies import rl_comparison
+    from stabstudy.learners.rl import forks
+    from stabstudy.run.runner import run_grid
+    from stabstudy.run.store import load_runs
+
+    hp = {"hidden": 16, "n_steps": 64, "batch_size": 32, "n_epochs": 2, "eval_episodes": 1, "eval_max_steps": 50}
+    kw = dict(hp=hp, prefix_steps=256, task="Pendulum-v1", lead={"ppo": 128}, post={"ppo": 192},
+              eval_every={"ppo": 64})
+    events = [["lr_spike", 300.0]]
+    free = study.rl_grid("ppo", [0, 1], events, [], None, **kw)
+    assert free == rl_comparison.fork_grid(["ppo"], [("none", 1.0), ("lr_spike", 300.0)], [0, 1], {"ppo": 256},
+                                           task="Pendulum-v1", hparams={"ppo": hp}, lead={"ppo": 128},
+                                           post={"ppo": 192}, eval_every={"ppo": 64}, env_duration=64)
+    watch = study.watch_grid("ppo", [0], window=8, **kw)
+    assert [w.hp["controller_threshold"] for w in watch] == [study.WATCH] and not watch[0].perturbations
+    prefixes = forks.prefix_specs(free)
+    run_grid(prefixes, scheduler="serial", progress=False)
+    run_grid(free + watch, scheduler="serial", progress=False)
+    wds = load_runs(watch)
+    with pytest.raises(ValueError, match="no run"):
+        study.calibrate_watch(wds, [], budget=2.0)
+    thr = study.calibrate_watch(wds, [w.spec_hash for w in watch], budget=2.0, floor={"z": 0.0, "olmo": 6.0,
+                                                                                      "zclip": 2.5})
+    scores = np.nan_to_num(wds.controller_score.values, nan=-np.inf)
+    assert (scores > thr.threshold["z"]).sum() == 0 and np.isnan(thr.calibrated["olmo"])  # 40 updates: 0 allowed
+    specs = study.rl_grid("ppo", [0, 1], events, ["z_skip"], {"z": 0.5}, controller_hp={"controller_window": 8}, **kw)
+    assert {s.hp.get("controller_window") for s in specs if "controller" not in s.hp} == {None}
+    run_grid(specs, scheduler="serial", progress=False)
+    ds = load_runs(specs)
+    table = study.run_table(specs)
+    assert set(table.domain) == {"ppo"} and set(table.event) == {"none", "lr_spike x300/64"}
+    untrained = rl_comparison.first_last_returns(load_runs(prefixes)).untrained.to_dict()
+    floors = {s.spec_hash: untrained[forks.prefix_key(s).spec_hash] for s in specs}
+    out = study.rl_outcomes(ds, table, scale=100.0, floors=floors, min_evals_after=1)
+    assert len(out) == len(specs) and out.n_steps.eq(int(np.isfinite(ds.lr.values[0]).sum())).all()
+    ref = out[(out.controller == "none") & (out.event == "none")]
+    assert (ref.damage == 0).all() and not ref.collapse.any()
+    ctrl = out[out.controller == "z_skip"]
+    assert (ctrl.interventions == [int(np.nansum(ds.intervened.sel(run=r).values)) for r in ctrl.index]).all()
+    assert ctrl.interventions.sum() > 0  # a low threshold acts
+    assert out[out.event == "none"].first_action.isna().all()

@@ -94,6 +94,17 @@ def controlled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: i
     return out
 
 
+def published_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
+                   events: Sequence[Sequence[Any]], controllers: Sequence[str], thresholds: dict[str, float],
+                   **hp: Any) -> list[RunSpec]:
+    """The comparators among ``controllers`` (not ours) whose calibrated threshold differs from the
+    published one, again at the published threshold (:data:`PUBLISHED`); pass them to
+    :func:`run_table` as ``published`` to label them ``name@published``."""
+    names = [c for c in controllers if c in CALIBRATED and c not in OURS
+             and float(thresholds[CALIBRATED[c]]) != PUBLISHED[CALIBRATED[c]]]
+    return controlled_grid(domain, steps, seeds, event_step, events, names, PUBLISHED, **hp)
+
+
 #: A controller threshold no score reaches: a *watch* run (bit-identical to the uncontrolled one)
 #: that files the scores its controller would have compared.
 WATCH = 1e9
@@ -101,17 +112,18 @@ WATCH = 1e9
 
 def rl_grid(learner: str, seeds: Sequence[int], events: Sequence[Sequence[Any]], controllers: Sequence[str],
             thresholds: dict[str, float] | None, *, hp: dict[str, Any], prefix_steps: int,
-            controller_hp: dict[str, Any] | None = None, **fork_kw: Any) -> list[RunSpec]:
+            controller_hp: dict[str, Any] | None = None, per_controller: dict[str, dict[str, Any]] | None = None,
+            **fork_kw: Any) -> list[RunSpec]:
     """Forks of ``learner``'s stored prefixes as notebook 01 builds them
     (:func:`.rl_comparison.fork_grid` with ``hp`` and ``fork_kw``, so its uncontrolled forks are
     shared): per seed the unperturbed fork and one per ``[kind, dose]`` event, uncontrolled and per
-    controller (with ``controller_hp``); a calibrated controller carries
+    controller (with ``controller_hp`` and its own ``per_controller[name]``); a calibrated controller carries
     ``thresholds[CALIBRATED[name]]`` (None: watch runs, :data:`WATCH`)."""
     treatments = [("none", 1.0), *((str(k), float(d)) for k, d, *_ in events)]
-    kw = dict(env_duration=0, **fork_kw)
+    kw = {"env_duration": 0, **fork_kw}  # an lr spike sets the horizon (notebook 01: one rollout)
     out = rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
     for name in controllers:
-        h = {**hp, **(controller_hp or {}), "controller": name}
+        h = {**hp, **(controller_hp or {}), **(per_controller or {}).get(name, {}), "controller": name}
         if name in CALIBRATED:
             h["controller_threshold"] = WATCH if thresholds is None else float(thresholds[CALIBRATED[name]])
         out += rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps},
@@ -132,15 +144,18 @@ def domain_of(spec: RunSpec) -> str:
     return spec.learner if spec.domain == "rl" else spec.domain
 
 
-def run_table(specs: Sequence[RunSpec]) -> pd.DataFrame:
-    """One row per spec (index: spec hash): domain, seed, controller, event (``kind xdose/duration``
-    or ``none``), onset (RL: env step) and the threshold given."""
+def run_table(specs: Sequence[RunSpec], published: Sequence[RunSpec] = ()) -> pd.DataFrame:
+    """One row per spec (index: spec hash): domain, seed, controller (``name@published`` for the
+    specs in ``published``), event (``kind xdose/duration`` or ``none``), onset (RL: env step) and
+    the threshold given."""
     rows = []
-    for s in dict.fromkeys(specs):
+    pub = {s.spec_hash for s in published}
+    for s in dict.fromkeys([*specs, *published]):
         hp = s.hp
         p = s.perturbations[0] if s.perturbations else None
+        name = str(hp.get("controller", "none"))
         rows.append({"run": s.spec_hash, "domain": domain_of(s), "seed": s.seed, "steps": s.steps,
-                     "controller": str(hp.get("controller", "none")),
+                     "controller": f"{name}@published" if s.spec_hash in pub else name,
                      "threshold": float(hp.get("controller_threshold", math.nan)),
                      "event": f"{p.kind} x{p.dose:g}/{p.duration}" if p else "none",
                      "onset": p.start if p else -1})
@@ -200,6 +215,8 @@ def calibrate_watch(ds: xr.Dataset, runs: Sequence[str], budget: float, floor: d
     """:func:`calibrate` for an RL domain: our robust z from the ``controller_score`` its watch
     ``runs`` filed per update; ``olmo`` and ``zclip`` at their published thresholds
     (``calibrated`` NaN: not calibrated)."""
+    if not len(runs):
+        raise ValueError("calibrate_watch: no run given; pass the watch runs of the calibration seeds (watch_grid)")
     floor = floor or PUBLISHED
     parts = [ds.controller_score.sel(run=r).values[np.isfinite(ds.lr.sel(run=r).values)] for r in runs]
     rows = [_threshold("z", np.concatenate(parts) if parts else np.array([]), budget, floor["z"])]
@@ -284,7 +301,9 @@ def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: floa
     McNemar p, mean paired damage difference (controlled minus uncontrolled) and its p, median
     recovery with / without, median steps from onset to the first action, false interventions per
     1,000 steps (unperturbed runs of the evaluation seeds) with a Clopper-Pearson interval, and the
-    TOST verdict of their final loss against the uncontrolled run (relative ``margin``)."""
+    TOST verdict of their final loss against the uncontrolled run (relative ``margin``).
+    ``less_damage`` is the verdict of the damage test (one-sided: less with the controller) and
+    ``damage_p`` the p-value that verdict rests on (for "not supported", the opposite direction's)."""
     rows = []
     for (domain, ctrl), g in out[out.controller != "none"].groupby(["domain", "controller"], sort=False):
         base = out[(out.domain == domain) & (out.controller == "none")]
@@ -303,6 +322,7 @@ def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: floa
                          "collapse_without": int(b.collapse.sum()), "collapse_with": int(ge.collapse.sum()),
                          "mcnemar_p": mc.p, "damage_without": float(b.damage.mean()),
                          "damage_with": float(ge.damage.mean()), "damage_diff": dm.effect, "damage_p": dm.p,
+                         "less_damage": dm.verdict,
                          "recovery_without": float(b.recovery.median()), "recovery_with": float(ge.recovery.median()),
                          "first_action": float(ge.first_action.median()),
                          "false_per_1k": 1000 * k / n if n else math.nan, "false_ci_low": 1000 * lo,
@@ -315,8 +335,9 @@ def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], 
            margin: float, comparators: Sequence[str] = ("clip1", "zclip", "olmo"), alpha: float = 0.05,
            ) -> list[C.Claim]:
     """The claims of notebook 05 for the controller ``primary``, every domain and event pooled
-    (pairs: domain, event, seed). "Beats" a comparator: smaller paired damage on the same perturbed
-    runs, the comparators calibrated to the same false-alarm budget where they have a threshold."""
+    (pairs: domain, event, seed), and its damage per domain. "Beats" a comparator: smaller paired
+    damage on the same perturbed runs, the comparators calibrated to the same false-alarm budget
+    where they have a threshold (``name@published``: at the published one)."""
     res: list[C.Claim] = []
     ctrl = out[out.controller == primary]
     base = out[out.controller == "none"]
@@ -326,6 +347,11 @@ def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], 
     res.append(C.paired_outcomes(f"{primary} prevents collapse (paired runs near the critical dose)", SOURCE,
                                  pert.collapse.to_numpy(float), bpert.collapse.to_numpy(float), direction="less",
                                  alpha=alpha))
+    for domain in pert.index.get_level_values("domain").unique():  # a domain where it fails is not pooled away
+        d = np.asarray(pert.index.get_level_values("domain") == domain)
+        res.append(C.paired_difference(f"{primary} reduces damage on {domain} (paired runs near the critical dose)",
+                                       SOURCE, pert.damage.to_numpy()[d], bpert.damage.to_numpy()[d],
+                                       direction="less", alpha=alpha))
     null = ctrl[(ctrl.event == "none") & ctrl.seed.isin(evaluation_seeds)]
     k, n = int(null.interventions.sum()), int(null.n_steps.sum())
     res.append(_selective(f"{primary} is selective: at most {budget:g} false interventions per 1,000 unperturbed "

@@ -23,7 +23,9 @@ def _full(learner: str, hp: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def updates_per_rollout(hp: Mapping[str, Any]) -> int:
-    """Gradient updates of one PPO ``train()`` call: ``n_epochs`` x minibatches of a rollout."""
+    """Gradient updates of one PPO ``train()`` call: ``n_epochs`` x minibatches of a rollout
+    (``hp`` over the PPO defaults)."""
+    hp = _full("ppo", hp)
     return int(hp["n_epochs"]) * -(-int(hp["n_steps"]) // int(hp["batch_size"]))
 
 

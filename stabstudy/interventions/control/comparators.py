@@ -39,7 +39,7 @@ CONTROLLERS: dict[str, str] = {
     "z_skip": "robust z of log grad norm and loss > threshold: skip the step",
     "z_lr": "robust z > threshold: lr back-off (x backoff, linear recovery)",
     "z_adam": "robust z > threshold: raise Adam's second moment to the step's g^2",
-    "z_rollback": "robust z > threshold: roll back to the older of 2 snapshots (every 25 steps), skip the step",
+    "z_rollback": "robust z > threshold: roll back to the older of 2 snapshots (every snapshot_every steps), skip the step",
     "z_clip": "robust z > threshold: clip to the median recent norm",
     "olmo": "OLMo-core skip-step: loss or grad-norm z > 6 over 128 steps, on the device",
     "zclip": "the zclip package (adaptive z-score clipping, package defaults, no fixed max norm)",
@@ -199,9 +199,10 @@ class OlmoSkip(StepHooks):
 
 
 def build(name: str, *, threshold: float = 0.0, window: int = 64, backoff: float = 0.1, recovery: int = 50,
-          warmup: int = 0) -> Controller | OlmoSkip | None:
+          snapshot_every: int = 25, warmup: int = 0) -> Controller | OlmoSkip | None:
     """The controller called ``name`` (:data:`CONTROLLERS`), unattached; None for ``none``.
-    ``threshold`` 0 keeps each detector's default."""
+    ``threshold`` 0 keeps each detector's default; ``snapshot_every``: steps between the rollback's
+    snapshots (its ring must reach back past the detection delay to restore an undamaged state)."""
     if name not in CONTROLLERS:
         raise ValueError(f"unknown controller {name!r}; valid: {', '.join(CONTROLLERS)}")
     if name == "none":
@@ -218,7 +219,7 @@ def build(name: str, *, threshold: float = 0.0, window: int = 64, backoff: float
     dets = {s: FastRobustZ(name=f"robust_z {s}", window=window, min_periods=max(window // 4, 4), side="up",
                        threshold=thr) for s in ("grad_norm", "loss")}
     action = {"z_skip": Skip(), "z_lr": LrBackoff(backoff, recovery), "z_adam": AdamSecondMoment(),
-              "z_rollback": Rollback(), "z_clip": AdaptiveClip()}[name]
+              "z_rollback": Rollback(every=snapshot_every), "z_clip": AdaptiveClip()}[name]
     return Controller(dets, action, log=True, warmup=warmup, name=name)
 
 
@@ -227,4 +228,4 @@ def from_hparams(hp: dict[str, Any]) -> Controller | OlmoSkip | None:
     :class:`~stabstudy.hparams.ToyHParams` / :class:`~stabstudy.hparams.GPTHParams`)."""
     return build(str(hp["controller"]), threshold=float(hp["controller_threshold"]),
                  window=int(hp["controller_window"]), backoff=float(hp["controller_backoff"]),
-                 recovery=int(hp["controller_recovery"]))
+                 recovery=int(hp["controller_recovery"]), snapshot_every=int(hp["controller_snapshot_every"]))

@@ -67,7 +67,7 @@ FORMAT = 1
 #: Hyperparameters that act only after the fork: not part of the prefix key (a controlled fork
 #: continues the same prefix as the uncontrolled one).
 CONTINUATION_ONLY = ("noise_after_fork", "controller", "controller_threshold", "controller_window",
-                     "controller_backoff", "controller_recovery")
+                     "controller_backoff", "controller_recovery", "controller_snapshot_every")
 #: Arrays of an SB3 replay buffer that a checkpoint keeps.
 BUFFER_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
 #: Wrapper attributes that are configuration of the new run, not state of the old one.
