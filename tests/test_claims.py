@@ -78,6 +78,17 @@ def test_correlation_none_needs_an_interval_inside_the_margin():
     assert C.correlation("pos", SRC, [1, 2], [1, 2], expect="positive").verdict == "inconclusive"
 
 
+def test_correlation_with_tied_values_warns_nothing_and_stays_inconclusive():
+    """Five tied values: many resamples are constant, rho undefined there; no warning reaches the
+    notebook, and an undefined interval is no evidence of 'no correlation'."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c = C.correlation("none", SRC, [0, 0, 0, 0, 1], [1, 2, 3, 4, 5], expect="none")
+    assert c.verdict == "inconclusive" and "undefined" in c.reason
+
+
 def test_within_tolerance():
     assert C.within_tolerance("slope", "textbook", [1.01, 0.99], [1.0, 1.0], rel_tol=0.05).verdict == "supported"
     assert C.within_tolerance("slope", "textbook", [1.2, 0.7], 1.0, rel_tol=0.05).verdict == "not supported"

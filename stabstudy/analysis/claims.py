@@ -27,6 +27,7 @@ adjusted p-value is not below ``alpha``.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,8 +95,14 @@ def _boot_ci(data: tuple[np.ndarray, ...], statistic, confidence: float, seed: i
     if any(len(d) < 2 for d in data) or all(np.ptp(d) == 0 for d in data):
         v = float(statistic(*data))
         return v, v  # a constant sample: the interval is the point
-    res = sps.bootstrap(data, statistic, confidence_level=confidence, n_resamples=2000, paired=paired,
-                        vectorized=False, method="percentile", random_state=np.random.default_rng(seed))
+    with warnings.catch_warnings():
+        # a resample can be constant where the sample is not (few, tied values): its statistic is
+        # then undefined (NaN), and so is the interval; the verdicts treat a NaN interval as no
+        # evidence, and the reason says so
+        warnings.simplefilter("ignore", sps.ConstantInputWarning)
+        warnings.simplefilter("ignore", sps.DegenerateDataWarning)
+        res = sps.bootstrap(data, statistic, confidence_level=confidence, n_resamples=2000, paired=paired,
+                            vectorized=False, method="percentile", random_state=np.random.default_rng(seed))
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
@@ -343,8 +350,9 @@ def correlation(claim: str, source: str, x: Sequence[float], y: Sequence[float],
             verdict = "not supported"
         else:
             verdict = "inconclusive"
+        undefined = "" if np.isfinite(ci).all() else " (undefined: resamples with a constant variable)"
         return Claim(claim, source, verdict, f"rho = {r:.2f}, {100 * (1 - 2 * alpha):.0f}% CI "
-                     f"[{ci[0]:.2f}, {ci[1]:.2f}] vs +-{margin:g}", r, ci, int(a.size), test)
+                     f"[{ci[0]:.2f}, {ci[1]:.2f}]{undefined} vs +-{margin:g}", r, ci, int(a.size), test)
     if expect not in ("positive", "negative"):
         raise ValueError(f"unknown expectation {expect!r}; valid: positive, negative, none")
     direction: Direction = "greater" if expect == "positive" else "less"
