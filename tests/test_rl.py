@@ -311,6 +311,10 @@ def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
     assert c.loc["sac", "where"] == "above the grid" and c.loc["sac", "dose"] == np.inf == c.loc["sac", "ci_low"]
     assert c.loc["td3", "where"] == "below the grid" and c.loc["td3", "dose"] == 0 == c.loc["td3", "ci_high"]
     assert fits["ppo"].method == "logistic" and len(fits["ppo"].grid) == len(fits["ppo"].prob)
+    # outcomes separating perfectly between 3 and 10: the interval is the bracket, not the fitted point
+    sep = [dict(learner="ppo", pert_dose=d, seed=i, collapsed=float(d >= 10)) for d in doses for i in range(3)]
+    c = study.critical_doses(pd.DataFrame(sep), reps=50)[0].iloc[0]
+    assert c["where"] == "bracketed" and (c.ci_low, c.ci_high) == (3.0, 10.0) and 3 < c.dose < 10
 
 
 def test_paired_effects_compare_each_fork_with_its_own_seeds_control():

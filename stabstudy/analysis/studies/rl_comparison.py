@@ -344,7 +344,12 @@ def critical_doses(table, dose_col: str = "pert_dose", level: float = 0.5, reps:
     replacement within each dose). Returns ``(rows, fits)``: a DataFrame (learner, dose, where,
     ci_low, ci_high, bracketed_frac, method, message) with ``where`` "bracketed", "above the grid"
     (never reaches ``level`` up to the largest dose: dose ``inf``) or "below the grid" (reached at the
-    smallest: dose 0), the interval's ends likewise; and ``{learner: CriticalDose}`` for plotting."""
+    smallest: dose 0), the interval's ends likewise; and ``{learner: CriticalDose}`` for plotting.
+
+    A bracketed interval reaches at least the tested doses on either side of the point: between
+    two tested doses the fitted curve is the model's, not data (with outcomes that separate
+    perfectly there, every resample fits the same curve and the bootstrap interval would be a
+    point)."""
     import pandas as pd
 
     from stabstudy.analysis import stats
@@ -366,6 +371,11 @@ def critical_doses(table, dose_col: str = "pert_dose", level: float = 0.5, reps:
         draws = np.asarray(draws, dtype=float)
         q = (1 - confidence) / 2
         lo, hi = (np.quantile(draws, [q, 1 - q], method="inverted_cdf") if draws.size else (np.nan, np.nan))
+        if where == "bracketed":
+            tested = np.unique(d[d > 0])
+            below, above = tested[tested <= value], tested[tested >= value]
+            lo = min(lo, below.max()) if below.size else lo
+            hi = max(hi, above.min()) if above.size else hi
         rows.append({"learner": a, "dose": value, "where": where, "ci_low": float(lo), "ci_high": float(hi),
                      "bracketed_frac": float(np.mean(np.isfinite(draws) & (draws > 0))) if draws.size else np.nan,
                      "n": int(d.size), "method": fit.method, "message": fit.message})
