@@ -8,10 +8,14 @@ time per variant, training throughput (gradient updates/s and env steps/s):
                    evaluation: ``TelemetryCallback`` (the Monitor on every optimizer,
                    ``every=--monitor-every``), ``PerturbationCallback`` (empty schedule),
                    ``DiagnosticsCallback``, ``DivergenceCallback``, ``EpisodeReturnCallback``;
-* ``no-monitor``   the same without ``TelemetryCallback``.
+* ``no-monitor``   the same without ``TelemetryCallback``;
+* ``controller``   ``callback`` plus a ``ControllerCallback`` (robust z of the pre-clip gradient
+                   norm, ``stabstudy.interventions.control``) whose threshold no step reaches, so it
+                   only watches: its cost when no alarm fires.
 
 Evaluation episodes are excluded (they are a measurement, not overhead: the
-plain SB3 script would evaluate too). Target: overhead <= 5 %.
+plain SB3 script would evaluate too). Target: overhead <= 5 %; the controller's over
+``callback`` is printed as its own ratio.
 
 Forks (``stabstudy.learners.rl.forks``): the cost of storing and of restoring one checkpoint
 with a full replay buffer of ``--checkpoint-buffer`` transitions (default: the quick profile's
@@ -43,7 +47,10 @@ from stabstudy.spec import RunSpec
 def one(spec: RunSpec, variant: str) -> tuple[float, int | None]:
     """Wall time of one training run of ``variant`` and its gradient updates (None for ``plain``)."""
     model = rl.build_model(spec)
-    rec, cb = rl.callbacks_for(spec, monitor=variant == "callback", evaluation=False) if variant != "plain" else (None, None)
+    if variant == "controller":  # never alarms: the cost of watching
+        spec = spec.replace(hparams={"controller": "z_skip", "controller_threshold": 1e9})
+    rec, cb = (rl.callbacks_for(spec, monitor=variant in ("callback", "controller"), evaluation=False)
+               if variant != "plain" else (None, None))
     t0 = time.perf_counter()
     model.learn(spec.steps, callback=cb)
     dt = time.perf_counter() - t0
@@ -104,7 +111,7 @@ def main() -> None:
     if args.algo not in ON_POLICY:
         hp["learning_starts"] = min(100, args.steps // 4)
     spec = RunSpec("rl", args.algo, args.env, args.steps, 0, hparams=hp)
-    variants = ["plain", "callback", "no-monitor"]
+    variants = ["plain", "callback", "no-monitor", "controller"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     updates = 0
     one(spec, "plain")  # warm-up (imports, MuJoCo compile)
@@ -124,6 +131,7 @@ def main() -> None:
         print(f"{v:<12} {m:8.2f} {updates / m:10.1f} {args.steps / m:12.1f} {100 * (m / base - 1):8.1f}%")
     ratio = statistics.median(times["callback"]) / base
     print(f"callback / plain = {ratio:.3f} (target <= 1.05)")
+    print(f"controller / callback = {statistics.median(times['controller']) / statistics.median(times['callback']):.3f}")
     if args.checkpoint_buffer:
         step = statistics.median(times["callback"]) / args.steps
         save, load, size = checkpoint_cost(spec, args.checkpoint_buffer, args.repeats)

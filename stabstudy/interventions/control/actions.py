@@ -31,7 +31,7 @@ class StepContext:
 
     optimizer: torch.optim.Optimizer
     step: int  #: the controller's step index (the learner's step when it tells it)
-    grad_norm: float  #: global gradient norm of this step (as read before any action)
+    grad_norm: float  #: global gradient norm of this step (as read before any action; NaN where no action needs it)
     params: list[torch.Tensor] = field(default_factory=list)  #: parameters with a gradient this step
 
     def scale_grads(self, factor: float) -> None:

@@ -152,9 +152,11 @@ class Controller(StepHooks):
         self.policy = policy if isinstance(policy, Policy) else Policy(policy)
         self.log, self.warmup, self.name = log, warmup, name
         self._ref: deque[float] = deque(maxlen=ref_window)
+        self._clips = False
         for a in self.policy.actions:
             if isinstance(a, AdaptiveClip):
                 a.reference = self.reference
+                self._clips = True
         self._handles: list[Any] = []
         self._loss: float = math.nan
         self._step: int | None = None  # the learner's step, when observe() names it
@@ -202,12 +204,14 @@ class Controller(StepHooks):
 
     def _pre(self, opt: torch.optim.Optimizer, grad_norm: torch.Tensor | None) -> None:
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        if grad_norm is None:
+        raw = self._raw_norm()
+        # the norm of the gradient the optimizer gets: the detector's input unless it reads the
+        # pre-clip norm, and the adaptive clip's; otherwise not worth a pass over the gradients
+        if grad_norm is None and (raw is None or self._clips):
             if not params:
                 return
             grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
-        g = float(grad_norm)
-        raw = self._raw_norm()
+        g = float(grad_norm) if grad_norm is not None else math.nan
         values = {"grad_norm": g if raw is None else float(raw), "loss": self._loss}
         alarm, worst = False, -math.inf
         for sig, det in self.detectors.items():  # every detector sees every step

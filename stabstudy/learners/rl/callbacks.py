@@ -554,7 +554,9 @@ class ControllerCallback(RecorderCallback):
     def _on_training_start(self) -> None:
         opts = optimizers_of(self.model)
         self._n0 = self.recorder.n_updates
-        self.controller.attach(opts.get("critic", opts.get("policy")), before_clip=True)
+        # through a TelemetryCallback's Monitor (started before this one) when there is one: it
+        # hands over the norm it computed anyway
+        self.controller.attach(opts.get("critic", opts.get("policy")), self.recorder.monitor, before_clip=True)
 
     def _training_end(self) -> None:
         n = self.recorder.n_updates - self._n0  # updates of this learn() call: row n0 + i + 1 is update i
