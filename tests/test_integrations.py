@@ -160,6 +160,20 @@ def test_sb3_telemetry_reaches_tensorboard(tmp_path):
     assert "stability/update_ratio" in tags and "train/loss" in tags  # beside SB3's own
 
 
+def test_sb3_off_policy_telemetry_reaches_tensorboard_at_sb3s_dumps(tmp_path):
+    """SAC dumps at episode ends (every log_interval episodes): the channels are there beside SB3's."""
+    from stable_baselines3 import SAC
+
+    from stabstudy.learners.rl import TelemetryCallback
+
+    model = SAC("MlpPolicy", "Pendulum-v1", learning_starts=50, batch_size=32, seed=0, policy_kwargs={"net_arch": [16]},
+                tensorboard_log=str(tmp_path), device="cpu")
+    model.learn(200 * 4, callback=TelemetryCallback(), tb_log_name="sac", log_interval=2)  # 200-step episodes
+    tags = _scalars(next(tmp_path.iterdir()))
+    assert len(tags["stability/grad_norm"]) == len(tags["train/actor_loss"]) == 2
+    assert all(np.isfinite(e.value) for e in tags["stability/grad_norm"]) and "stability/update_ratio" in tags
+
+
 # -- README examples ------------------------------------------------------------------
 def _readme_block(marker: str) -> str:
     text = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -151,9 +151,13 @@ class TelemetryCallback(RecorderCallback):
     Args:
         recorder: the shared :class:`Recorder` (None: a new one, :attr:`recorder`).
         every: the Monitor's ``every`` (costly channels every this many steps of each optimizer).
-        log_to_sb3: after each ``train()`` call, record the last update's channels in SB3's own
-            logger as ``stability/<channel>`` (NaN ones skipped), written by SB3 at its next dump
-            to every output format it has (``tensorboard_log=``, csv, stdout, ...).
+        log_to_sb3: record the latest update's channels in SB3's own logger as
+            ``stability/<channel>`` (NaN ones skipped) just before SB3 may dump its logs (on-policy:
+            at the end of each rollout; off-policy: at an env step where an episode ended), so SB3
+            writes them beside its own ``train/`` values to every output format it has
+            (``tensorboard_log=``, csv, stdout, ...). Deriving the channels once per dump point,
+            not once per ``train()`` call, keeps this cheap for off-policy learners that train
+            every env step.
         **monitor_kwargs: further :class:`~stabstudy.instruments.telemetry.Monitor` arguments
             (``per_layer``, ``backend``).
     """
@@ -164,12 +168,21 @@ class TelemetryCallback(RecorderCallback):
         self.every = every
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
-        if log_to_sb3:
-            self.recorder.on_train_end(self._record_in_sb3_logger, Recorder.DIAGNOSE)
+        self.log_to_sb3 = log_to_sb3
 
-    def _record_in_sb3_logger(self, n: int) -> None:
-        # recorded per train() call and overwritten until SB3 dumps, as SB3 does with its own
-        # train/ values: the dump then shows the latest update beside them
+    def _on_step(self) -> bool:
+        # SB3's off-policy learners dump inside collect_rollouts, after this callback, at the env
+        # step an episode ends (every log_interval episodes)
+        if self.log_to_sb3 and not self.recorder.on_policy and np.any(self.locals.get("dones", False)):
+            self._record_in_sb3_logger()
+        return super()._on_step()
+
+    def _on_rollout_end(self) -> None:
+        # SB3's on-policy learners dump after the rollout, before the next train()
+        if self.log_to_sb3 and self.recorder.on_policy:
+            self._record_in_sb3_logger()
+
+    def _record_in_sb3_logger(self) -> None:
         mon = self.monitor
         if mon is None or mon.step < 0:
             return
