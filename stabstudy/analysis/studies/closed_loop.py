@@ -219,7 +219,7 @@ def calibrate_watch(ds: xr.Dataset, runs: Sequence[str], budget: float, floor: d
         raise ValueError("calibrate_watch: no run given; pass the watch runs of the calibration seeds (watch_grid)")
     floor = floor or PUBLISHED
     parts = [ds.controller_score.sel(run=r).values[np.isfinite(ds.lr.sel(run=r).values)] for r in runs]
-    rows = [_threshold("z", np.concatenate(parts) if parts else np.array([]), budget, floor["z"])]
+    rows = [_threshold("z", np.concatenate(parts), budget, floor["z"])]
     rows += [{"detector": k, "threshold": floor[k], "calibrated": math.nan, "steps": rows[0]["steps"],
               "alarms_allowed": rows[0]["alarms_allowed"]} for k in ("olmo", "zclip")]
     return pd.DataFrame(rows).set_index("detector")
