@@ -368,6 +368,13 @@ def test_calibration_replays_what_the_controllers_compute_and_keeps_published_fl
     null = table[(table.event == "none") & (table.controller == "none")].index
     thr = study.calibrate(ds, list(null), budget=2.0, window=16)
     assert (thr.threshold >= pd.Series(study.PUBLISHED)).all()
+    # the score that set each calibrated value is named: with 0 alarms allowed, the largest one
+    for k, r in thr.iterrows():
+        run_sc = study.replay_scores(ds.grad_norm.sel(run=r.set_by_run).values, ds.loss.sel(run=r.set_by_run).values,
+                                     window=16)[k]
+        assert r.calibrated == pytest.approx(run_sc[r.set_by_step] * 1.0001, rel=1e-3)
+        assert r.alarms_allowed == 0 and run_sc[r.set_by_step] == max(np.nanmax(study.replay_scores(
+            ds.grad_norm.sel(run=n).values, ds.loss.sel(run=n).values, window=16)[k]) for n in null)
     # the replayed robust z is the controller's own score: its alarms at the calibrated threshold
     run = null[0]
     g, loss = ds.grad_norm.sel(run=run).values, ds.loss.sel(run=run).values

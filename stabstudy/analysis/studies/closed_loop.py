@@ -190,24 +190,37 @@ def calibrate(ds: xr.Dataset, runs: Sequence[str], budget: float, window: int = 
     uncontrolled): the smallest threshold above all but ``floor(budget * steps / 1000)`` scores,
     never below ``floor`` (default :data:`PUBLISHED`): a short calibration run whose largest score is
     small must not make a rule more trigger-happy than its authors' default. Returns one row per
-    detector: threshold, ``calibrated`` (before the floor), steps, alarms allowed."""
+    detector: threshold, ``calibrated`` (before the floor), steps, alarms allowed, and the run and
+    step of the score that set ``calibrated`` (``set_by_run``, ``set_by_step``): with few steps
+    one excursion of an unperturbed run can set it."""
     floor = floor or PUBLISHED
-    scores: dict[str, list[np.ndarray]] = {k: [] for k in ("z", "olmo", "zclip")}
+    scores: dict[str, list[pd.Series]] = {k: [] for k in ("z", "olmo", "zclip")}
     for r in runs:
         sc = replay_scores(ds.grad_norm.sel(run=r).values, ds.loss.sel(run=r).values, window)
+        ok = np.isfinite(ds.loss.sel(run=r).values)
         for k, v in sc.items():
-            scores[k].append(v[np.isfinite(ds.loss.sel(run=r).values)])
-    return pd.DataFrame([_threshold(k, np.concatenate(v) if v else np.array([]), budget, floor[k])
+            scores[k].append(_scored(r, ds.step.values[ok], v[ok]))
+    return pd.DataFrame([_threshold(k, pd.concat(v) if v else _scored("", [], []), budget, floor[k])
                          for k, v in scores.items()]).set_index("detector")
 
 
-def _threshold(detector: str, s: np.ndarray, budget: float, floor: float) -> dict[str, Any]:
+def _scored(run: str, steps: Any, values: Any) -> pd.Series:
+    return pd.Series(np.asarray(values, dtype=float),
+                     index=pd.MultiIndex.from_arrays([[run] * len(steps), np.asarray(steps, dtype=int)],
+                                                     names=["run", "step"]))
+
+
+def _threshold(detector: str, s: pd.Series, budget: float, floor: float) -> dict[str, Any]:
     n = int(s.size)
     allowed = int(math.floor(budget * n / 1000))
-    fin = np.sort(s[np.isfinite(s)])[::-1]
-    cal = float(f"{float(fin[allowed]) * 1.0001:.4g}") if fin.size > allowed else math.nan  # just above: '>' alarms
+    fin = s[np.isfinite(s.to_numpy())].sort_values(ascending=False, kind="stable")
+    cal, run, step = math.nan, "", -1
+    if fin.size > allowed:
+        cal = float(f"{float(fin.iloc[allowed]) * 1.0001:.4g}")  # just above: '>' alarms
+        run, step = fin.index[allowed]
     thr = max(cal, floor) if math.isfinite(cal) else floor
-    return {"detector": detector, "threshold": thr, "calibrated": cal, "steps": n, "alarms_allowed": allowed}
+    return {"detector": detector, "threshold": thr, "calibrated": cal, "steps": n, "alarms_allowed": allowed,
+            "set_by_run": str(run), "set_by_step": int(step)}
 
 
 def calibrate_watch(ds: xr.Dataset, runs: Sequence[str], budget: float, floor: dict[str, float] | None = None,
@@ -218,10 +231,14 @@ def calibrate_watch(ds: xr.Dataset, runs: Sequence[str], budget: float, floor: d
     if not len(runs):
         raise ValueError("calibrate_watch: no run given; pass the watch runs of the calibration seeds (watch_grid)")
     floor = floor or PUBLISHED
-    parts = [ds.controller_score.sel(run=r).values[np.isfinite(ds.lr.sel(run=r).values)] for r in runs]
-    rows = [_threshold("z", np.concatenate(parts), budget, floor["z"])]
+    parts = []
+    for r in runs:
+        ok = np.isfinite(ds.lr.sel(run=r).values)  # the rows of updates
+        parts.append(_scored(r, ds.step.values[ok], ds.controller_score.sel(run=r).values[ok]))
+    rows = [_threshold("z", pd.concat(parts), budget, floor["z"])]
     rows += [{"detector": k, "threshold": floor[k], "calibrated": math.nan, "steps": rows[0]["steps"],
-              "alarms_allowed": rows[0]["alarms_allowed"]} for k in ("olmo", "zclip")]
+              "alarms_allowed": rows[0]["alarms_allowed"], "set_by_run": "", "set_by_step": -1}
+             for k in ("olmo", "zclip")]
     return pd.DataFrame(rows).set_index("detector")
 
 
