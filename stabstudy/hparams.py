@@ -26,7 +26,27 @@ ControllerName = Literal["none", "z_skip", "z_lr", "z_adam", "z_rollback", "z_cl
 
 
 @dataclass(frozen=True)
-class ToyHParams:
+class ControlHParams:
+    """The closed-loop controller a toy, LM or RL run attaches (stabstudy.interventions.control).
+    RL: the controller watches the optimizer the updates are counted by (policy; SAC/TD3: critic) and reads the
+    gradient norm before SB3's clipping; its steps are gradient updates."""
+
+    controller: ControllerName = "none"
+    """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
+    controller_threshold: float = 0.0
+    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
+    controller_window: int = 64
+    """trailing steps of the controller's robust z"""
+    controller_backoff: float = 0.1
+    """lr factor of the controller's lr back-off at an alarm"""
+    controller_recovery: int = 50
+    """steps over which the lr back-off recovers linearly to 1"""
+    controller_snapshot_every: int = 25
+    """steps between the snapshots of the rollback's ring of two"""
+
+
+@dataclass(frozen=True)
+class ToyHParams(ControlHParams):
     """Small MLPs for instrument calibration (learners ``gd``, ``sgd``, ``adam``)."""
 
     lr: float = 0.05
@@ -71,22 +91,10 @@ class ToyHParams:
     """synthetic task: input dimension"""
     synthetic_out: int = 4
     """synthetic task: output dimension"""
-    controller: ControllerName = "none"
-    """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
-    controller_threshold: float = 0.0
-    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
-    controller_window: int = 64
-    """trailing steps of the controller's robust z"""
-    controller_backoff: float = 0.1
-    """lr factor of the controller's lr back-off at an alarm"""
-    controller_recovery: int = 50
-    """steps over which the lr back-off recovers linearly to 1"""
-    controller_snapshot_every: int = 25
-    """steps between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)
-class GPTHParams:
+class GPTHParams(ControlHParams):
     """The byte-level GPT of the ``lm`` domain (learner ``gpt``)."""
 
     n_layer: int = 2
@@ -149,18 +157,6 @@ class GPTHParams:
     """with grad_scaler: a non-finite loss is skipped like an inf/NaN gradient (scale halved), not divergence"""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """where to train: auto = CUDA when present"""
-    controller: ControllerName = "none"
-    """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
-    controller_threshold: float = 0.0
-    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
-    controller_window: int = 64
-    """trailing steps of the controller's robust z"""
-    controller_backoff: float = 0.1
-    """lr factor of the controller's lr back-off at an alarm"""
-    controller_recovery: int = 50
-    """steps over which the lr back-off recovers linearly to 1"""
-    controller_snapshot_every: int = 25
-    """steps between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)
@@ -196,7 +192,7 @@ class SeqHParams:
 
 
 @dataclass(frozen=True)
-class RLCommon:
+class RLCommon(ControlHParams):
     """What every stable-baselines3 learner shares (network size, evaluation, telemetry)."""
 
     hidden: int = 64
@@ -225,18 +221,6 @@ class RLCommon:
     """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
     noise_after_fork: float | Literal["same"] = "same"
     """a fork's own noise knob (registry.NOISE_KNOB) from the fork on; "same": the prefix's value"""
-    controller: ControllerName = "none"
-    """closed-loop controller on the optimizer the updates are counted by (policy; SAC/TD3: critic), judging the pre-clip norm"""
-    controller_threshold: float = 0.0
-    """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
-    controller_window: int = 64
-    """trailing updates of the controller's robust z"""
-    controller_backoff: float = 0.1
-    """lr factor of the controller's lr back-off at an alarm"""
-    controller_recovery: int = 50
-    """updates over which the lr back-off recovers linearly to 1"""
-    controller_snapshot_every: int = 25
-    """updates between the snapshots of the rollback's ring of two"""
 
 
 @dataclass(frozen=True)
