@@ -349,6 +349,19 @@ def test_closed_loop_outcomes_table_and_claims():
     assert cl["z_skip reduces damage on toy (paired runs near the critical dose)"].verdict == "supported"
 
 
+def test_action_timing_counts_first_actions_after_the_event_ended():
+    from stabstudy.analysis.studies import closed_loop as study
+
+    paired = pd.DataFrame({"domain": ["lm", "lm", "lm", "ppo", "ppo"],
+                           "event": ["lr_spike x100/5", "lr_spike x300/5", "lr_spike x100/5", "lr_spike x10/2048",
+                                     "lr_spike x10/2048"],
+                           "controller": ["z_skip", "z_skip", "olmo", "z_skip", "z_rollback"],
+                           "first_action": [1.0, np.nan, 9.0, 320.0, 12.0]})
+    t = study.action_timing(paired, {"ppo": 320})
+    assert t.loc["lm"].tolist() == [1.0, 5, 0, 1]  # olmo is not ours; the NaN row never acted
+    assert t.loc["ppo"].tolist() == [166.0, 320, 1, 2]
+
+
 def test_published_variants_of_the_calibrated_comparators():
     from stabstudy.analysis.studies import closed_loop as study
 
@@ -472,8 +485,13 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     ds = load_runs(specs)
     table = study.run_table(specs)
     assert set(table.domain) == {"ppo"} and set(table.event) == {"none", "lr_spike x300/64"}
-    untrained = rl_comparison.first_last_returns(load_runs(prefixes)).untrained.to_dict()
-    floors = {s.spec_hash: untrained[forks.prefix_key(s).spec_hash] for s in specs}
+    pre = load_runs(prefixes)
+    floors, scale = rl_comparison.return_reference(pre, rl_comparison.eval_curves(ds),
+                                                   {s.spec_hash: forks.prefix_key(s).spec_hash for s in specs})
+    first = {p.spec_hash: float(pre.perf.sel(run=p.spec_hash).dropna("step").values[0]) for p in prefixes}
+    assert floors == {s.spec_hash: first[forks.prefix_key(s).spec_hash] for s in specs}
+    best = max(np.nanmax(pre.perf.values), np.nanmax(ds.perf.values))
+    assert scale == pytest.approx(best - np.median(list(first.values())))
     out = study.rl_outcomes(ds, table, scale=100.0, floors=floors, min_evals_after=1)
     assert len(out) == len(specs) and out.n_steps.eq(int(np.isfinite(ds.lr.values[0]).sum())).all()
     ref = out[(out.controller == "none") & (out.event == "none")]

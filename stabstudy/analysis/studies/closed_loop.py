@@ -347,6 +347,20 @@ def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: floa
     return pd.DataFrame(rows)
 
 
+def action_timing(paired: pd.DataFrame, event_steps: dict[str, int] | None = None) -> pd.DataFrame:
+    """When our controllers first acted against the event's length, per domain of a
+    :func:`paired_table`: the median steps from the onset to the first action, the event's length in
+    steps (``event_steps[domain]`` where given, e.g. an RL spike's updates; else the duration in its
+    label), and how many (controller, event) rows acted first only after the event ended, i.e. after
+    its damage was done (only a rollback to a snapshot from before the event can undo that)."""
+    ours = paired[paired.controller.isin(OURS)]
+    steps = [(event_steps or {}).get(r.domain, int(r.event.split("/")[1])) for r in ours.itertuples()]
+    ours = ours.assign(event_steps=steps, late=lambda x: x.first_action >= x.event_steps)
+    return ours.groupby("domain", sort=False).agg(first_action=("first_action", "median"),
+                                                  event_steps=("event_steps", "first"), late=("late", "sum"),
+                                                  rows=("first_action", "count"))
+
+
 # -- claims -----------------------------------------------------------------------------------
 def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], budget: float,
            margin: float, comparators: Sequence[str] = ("clip1", "zclip", "olmo"), alpha: float = 0.05,

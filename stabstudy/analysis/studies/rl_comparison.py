@@ -174,6 +174,18 @@ def first_last_returns(ds: xr.Dataset):
     return pd.DataFrame.from_dict(rows, orient="index", columns=["untrained", "final"])
 
 
+def return_reference(prefix_ds: xr.Dataset, fork_curves: xr.DataArray,
+                     prefix_of: Mapping[str, str]) -> tuple[dict[str, float], float]:
+    """What :func:`summarize` needs for forks: ``floors`` (per fork of ``prefix_of``, fork hash ->
+    its prefix's hash: the prefix's untrained return, towards which a collapse falls) and the return
+    ``scale`` shared by every stability score (the best evaluation of the prefixes and of
+    ``fork_curves``, :func:`eval_curves`, minus the median untrained return of the prefixes)."""
+    untrained = first_last_returns(prefix_ds).untrained.to_dict()
+    floors = {f: untrained[p] for f, p in prefix_of.items()}
+    best = max(np.nanmax(eval_curves(prefix_ds).values), np.nanmax(fork_curves.values))
+    return floors, float(best - np.nanmedian(list(untrained.values())))
+
+
 def comparison_rows(table, doses: Mapping[str, float]):
     """The rows of :func:`summarize` that the algorithm comparison reads: the unperturbed forks and
     each perturbation kind of ``doses`` at its comparison dose, all at the prefix's own noise knob."""
