@@ -80,7 +80,7 @@ class ZClipController(Controller):
         # in step() is the same (float32 sum of squares) up to rounding
         if grad_norm is None:
             grads = [p.grad for p in self._model.parameters() if p.grad is not None]
-            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else None
+            grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         g = float(grad_norm) if grad_norm is not None else math.nan
         clip_at = zc._compute_clip_val(g) if zc.initialized and math.isfinite(g) else None
         zc.step(self._model)
@@ -149,7 +149,7 @@ class OlmoSkip(StepHooks):
         dev = self._buf.device
         gn = self._raw_norm()
         if gn is None:
-            gn = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            gn = torch.nn.utils.get_total_norm([p.grad for p in params])
         gn = gn.to(dev, torch.float32)
         loss = self._loss.to(dev, torch.float32) if self._loss is not None else torch.tensor(math.nan, device=dev)
         if self._n >= self.min_periods:

@@ -210,7 +210,7 @@ class Controller(StepHooks):
         if grad_norm is None and (raw is None or self._clips):
             if not params:
                 return
-            grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params])))
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         g = float(grad_norm) if grad_norm is not None else math.nan
         values = {"grad_norm": g if raw is None else float(raw), "loss": self._loss}
         alarm, worst = False, -math.inf
