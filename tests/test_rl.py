@@ -317,6 +317,21 @@ def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
     assert c["where"] == "bracketed" and (c.ci_low, c.ci_high) == (3.0, 10.0) and 3 < c.dose < 10
 
 
+def test_reliability_table_groups_runs_and_measures_their_risk():
+    """Chan et al. 2020 metrics per (learner, kind): a saw-toothed group is riskier than a steady one."""
+    steps = np.arange(0, 1000, 100)
+    steady = np.linspace(0, 900, 10)
+    saw = steady + np.where(np.arange(10) % 2, -300.0, 0.0)
+    curves = xr.DataArray(np.array([steady, steady + 10, saw, saw + 10]), dims=("run", "env_step"),
+                          coords={"env_step": steps, "learner": ("run", ["sac", "sac", "ppo", "ppo"]),
+                                  "pert_kind": ("run", ["none"] * 4)})
+    t = study.reliability_table(curves).set_index("learner")
+    assert (t.n == 2).all()
+    assert t.loc["ppo", "dispersion_time"] > t.loc["sac", "dispersion_time"] == 0.0
+    assert t.loc["ppo", "short_term_risk"] < t.loc["sac", "short_term_risk"]
+    assert t.loc["ppo", "long_term_risk"] > t.loc["sac", "long_term_risk"]
+
+
 def test_paired_effects_compare_each_fork_with_its_own_seeds_control():
     import pandas as pd
 
