@@ -463,3 +463,12 @@ def test_ppo_controller_acts_on_the_pre_clip_norm_and_files_its_actions():
     assert acted.any() and set(ds.action.values[acted]) == {control.ACTION_CODES["skip"]}
     assert np.nanmax(ds.grad_norm.values) <= 0.5 + 1e-6  # what the optimizer saw: no spike to see there
     assert ds.attrs["controller_detectors"].startswith("FastRobustZ")
+
+
+def test_a_controller_keeps_the_rows_log_every_keeps():
+    """Filing its records must not keep every update's row of a thinned (log_every) run."""
+    sp = spec("ppo").replace(log_every=4)
+    free = rl.run(sp)
+    watch = rl.run(sp.replace(hparams={"controller": "z_skip", "controller_threshold": 1e9, "controller_window": 16}))
+    np.testing.assert_array_equal(free.step.values, watch.step.values)
+    assert np.isfinite(watch.controller_score.values).sum() > 2 and (watch.action.values[1:] == 0).all()

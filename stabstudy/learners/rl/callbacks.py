@@ -546,10 +546,11 @@ class ControllerCallback(RecorderCallback):
     another optimizer too, attach a :class:`~stabstudy.interventions.control.Controller` to it by
     hand.
 
-    At training end it files, per update, ``intervened`` (1 where it acted), ``action`` (a code of
+    At training end it files, on the update rows the recorder keeps (``log_every``) and on those it
+    acted on, ``intervened`` (1 where it acted), ``action`` (a code of
     :data:`~stabstudy.interventions.control.ACTION_CODES`) and ``controller_score`` (the largest
     score of its detectors; a controller with an unreachable threshold records what it would have
-    seen, for calibration) on the recorder's rows.
+    seen, for calibration).
 
     Args:
         recorder: the shared :class:`Recorder` (None: a new one).
@@ -572,14 +573,17 @@ class ControllerCallback(RecorderCallback):
         self.controller.attach(opts.get("critic", opts.get("policy")), self.recorder.monitor, before_clip=True)
 
     def _training_end(self) -> None:
-        n = self.recorder.n_updates - self._n0  # updates of this learn() call: row n0 + i + 1 is update i
-        rec = self.controller.records(n)
+        # update i of this learn() call is row n0 + i + 1; a row filed here is kept whatever log_every,
+        # so only the rows log_every keeps anyway and those it acted on are filed
+        rec = self.recorder
+        action = self.controller.records(rec.n_updates - self._n0)["action"]
         scores = getattr(self.controller, "scores", {})
-        for i in range(n):
-            row = self.recorder.row(self._n0 + i + 1)
-            row["intervened"], row["action"] = float(rec["intervened"][i]), float(rec["action"][i])
-            if i in scores:
-                row["controller_score"] = float(scores[i])
+        for i, a in enumerate(action):
+            r = self._n0 + i + 1
+            if a or r % rec.log_every == 0:
+                rec.row(r).update(intervened=float(a > 0), action=float(a))
+                if i in scores:
+                    rec.row(r)["controller_score"] = float(scores[i])
 
     def attrs(self) -> dict[str, Any]:
         """What describes the controller in the run's attributes."""
