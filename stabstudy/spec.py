@@ -9,19 +9,108 @@ domain's natural unit:
 
 * ``toy`` and ``lm``: optimizer updates;
 * ``rl``: environment steps (stable-baselines3's ``total_timesteps``).
+
+A :class:`Perturbation` is the frozen, validated description of one disturbance that a spec
+holds (what it does to training is :mod:`stabstudy.interventions.perturb`'s job); the freezing
+helpers below make hyperparameters and perturbation params hashable canonical values.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import numpy as np
+
 from stabstudy.hparams import validate
-from stabstudy.interventions.perturb import Perturbation, freeze_map, thaw
-from stabstudy.registry import check_kind, hparams_class
+from stabstudy.registry import KINDS, check_kind, hparams_class
+
+
+def freeze(value: Any, where: str) -> Any:
+    """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences."""
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: hyperparameter values must be finite, got {value!r}")
+        return value
+    if isinstance(value, list | tuple):
+        return tuple(freeze(v, where) for v in value)
+    if isinstance(value, np.ndarray):  # a sequence, whatever its size (.item() would unwrap [64])
+        return freeze(value.tolist(), where)
+    if isinstance(value, np.generic):  # numpy scalar
+        return freeze(value.item(), where)
+    raise TypeError(f"{where}: hyperparameter values must be str/int/float/bool/None or sequences of them, got {type(value).__name__}")
+
+
+def thaw(value: Any) -> Any:
+    return [thaw(v) for v in value] if isinstance(value, tuple) else value
+
+
+def freeze_map(mapping: Mapping[str, Any] | tuple, where: str) -> tuple[tuple[str, Any], ...]:
+    items = mapping.items() if isinstance(mapping, Mapping) else tuple(mapping)
+    out = []
+    for k, v in items:
+        if not isinstance(k, str) or not k.isidentifier():
+            raise ValueError(f"{where}: keys must be identifiers, got {k!r}")
+        out.append((k, freeze(v, f"{where}[{k!r}]")))
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """A disturbance of ``kind`` active on steps ``[start, start + duration)``.
+
+    ``dose`` means what :data:`stabstudy.registry.KINDS` says for the kind (e.g. the
+    learning-rate factor of an ``lr_spike``). ``params`` carries kind-specific
+    options (e.g. ``{"layer": "blocks.0.attn"}`` for ``reinit_layer``).
+    """
+
+    kind: str
+    start: int
+    duration: int = 1
+    dose: float = 1.0
+    params: tuple[tuple[str, Any], ...] | Mapping[str, Any] = ()
+
+    def __post_init__(self) -> None:
+        check_kind(self.kind)
+        if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
+            raise ValueError(f"perturbation {self.kind!r}: start must be an integer >= 0, got {self.start!r}")
+        if not isinstance(self.duration, int) or isinstance(self.duration, bool) or self.duration < 1:
+            raise ValueError(f"perturbation {self.kind!r}: duration must be an integer >= 1, got {self.duration!r}")
+        dose = float(self.dose)
+        if not math.isfinite(dose) or dose < 0:
+            raise ValueError(f"perturbation {self.kind!r}: dose must be a finite number >= 0, got {self.dose!r}")
+        object.__setattr__(self, "dose", dose)
+        object.__setattr__(self, "params", freeze_map(self.params, f"perturbation {self.kind!r} params"))
+
+    @property
+    def dimension(self) -> str:
+        """The stability dimension of this kind."""
+        return KINDS[self.kind].dimension
+
+    @property
+    def end(self) -> int:
+        """First step after the window."""
+        return self.start + self.duration
+
+    @property
+    def p(self) -> dict[str, Any]:
+        """``params`` as a plain dict."""
+        return {k: thaw(v) for k, v in self.params}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "start": self.start, "duration": self.duration, "dose": self.dose, "params": self.p}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Perturbation:
+        return cls(kind=d["kind"], start=int(d["start"]), duration=int(d.get("duration", 1)),
+                   dose=float(d.get("dose", 1.0)), params=d.get("params", {}))
+
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,11 +15,11 @@ CORE = {"spec", "registry", "hparams", "paths", "seeding", "plots", "__init__"}
 
 #: Layer -> layers it may import (its own included). ``run`` orchestrates and may import anything.
 ALLOWED: dict[str, set[str]] = {
-    "core": {"core", "interventions.perturb"},  # a RunSpec holds Perturbations
+    "core": {"core"},
     "instruments": {"core", "instruments"},
     "interventions": {"core", "instruments", "interventions", "analysis.warning"},
     "learners": {"core", "instruments", "interventions", "learners"},
-    "analysis": {"core", "analysis", "instruments", "interventions.perturb"},
+    "analysis": {"core", "analysis", "instruments"},
     "run": {"core", "instruments", "interventions", "learners", "analysis", "run"},
     "__main__": {"run"},
 }

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xarray as xr
 
-from stabstudy.interventions.perturb import Perturbation
-from stabstudy.spec import RunSpec
+from stabstudy.spec import Perturbation, RunSpec
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim

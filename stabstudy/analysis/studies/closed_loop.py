@@ -45,8 +45,7 @@ import xarray as xr
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import lm_spikes, rl_comparison
 from stabstudy.analysis.warning.detectors import RobustZ, WindowZ, ZClipZ
-from stabstudy.interventions.perturb import Perturbation
-from stabstudy.spec import RunSpec
+from stabstudy.spec import Perturbation, RunSpec
 
 SOURCE = "source paper (arXiv 2601.13160)"
 #: Toy runs evaluate every this many steps (the learner's default, 100 evaluations, would cost 7x the training).

@@ -11,8 +11,7 @@ import pandas as pd
 import xarray as xr
 
 from stabstudy.hparams import GPTHParams, defaults
-from stabstudy.interventions.perturb import Perturbation
-from stabstudy.spec import RunSpec
+from stabstudy.spec import Perturbation, RunSpec
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim

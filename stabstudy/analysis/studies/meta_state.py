@@ -25,8 +25,7 @@ from stabstudy.analysis.warning import evaluation as E
 from stabstudy.analysis.warning import features as F
 from stabstudy.analysis.warning.labels import LabelRule, label_runs
 from stabstudy.analysis.warning.metastate import MetaConfig, PCAModel
-from stabstudy.interventions.perturb import Perturbation
-from stabstudy.spec import RunSpec
+from stabstudy.spec import Perturbation, RunSpec
 
 SOURCE = "source paper (arXiv 2601.13160)"
 

@@ -70,7 +70,7 @@ def overflow_grid(steps: int, seeds: Sequence[int], doses: Sequence[float], star
     one). Dose 1.0 is the unperturbed twin (the perturbation is a no-op, its spec differs only
     by the perturbation record).
     """
-    from stabstudy.interventions.perturb import Perturbation
+    from stabstudy.spec import Perturbation
 
     return [_lm_spec(steps, s, p, dict(hp or {}), (Perturbation("loss_scale", start, 1, float(d)),),
                      eval_every=eval_every)

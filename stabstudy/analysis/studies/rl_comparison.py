@@ -9,9 +9,8 @@ import numpy as np
 import xarray as xr
 
 from stabstudy.hparams import defaults
-from stabstudy.interventions.perturb import Perturbation
 from stabstudy.registry import NOISE_KNOB, ON_POLICY, hparams_class
-from stabstudy.spec import RunSpec
+from stabstudy.spec import Perturbation, RunSpec
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim
