@@ -1,16 +1,15 @@
 """Closed-loop control: stationary when no alarm fires, each action does what it says, the OLMo rule
-decides on the device like the streaming WindowZ, and the README examples run."""
+decides on the device like the streaming WindowZ, and the examples of docs/control.md run."""
 
 from __future__ import annotations
 
 import math
-import re
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from docblocks import block
 
 from stabstudy.analysis.warning.detectors import WindowZ
 from stabstudy.instruments.telemetry import Monitor
@@ -241,24 +240,20 @@ def test_controller_through_the_monitor_pre_step_view():
     assert mon.to_dataset().update_norm.values[2] == 0  # the Monitor saw the skipped update as none
 
 
-def _readme_block(marker: str) -> str:
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    section = text.split("## Closed-loop control", 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if marker in b]
-    assert len(blocks) == 1, f"one README example with {marker!r} expected"
-    return blocks[0]
+def _doc_block(marker: str) -> str:
+    return block("docs/control.md", marker)
 
 
 def test_readme_plain_torch_loop():
     ns: dict = {}
-    exec(compile(_readme_block("Skip()"), "README:controller-torch", "exec"), ns)
+    exec(compile(_doc_block("Skip()"), "docs:controller-torch", "exec"), ns)
     assert 150 in ns["rec"]["intervened"].nonzero()[0]  # the outlier batch's step
 
 
 def test_readme_sb3_learn():
     pytest.importorskip("stable_baselines3")
     ns: dict = {}
-    exec(compile(_readme_block("PPO("), "README:controller-sb3", "exec"), ns)
+    exec(compile(_doc_block("PPO("), "docs:controller-sb3", "exec"), ns)
     assert len(ns["ctrl"].records()["action"]) == 4 * 2 * (256 // 64)  # 4 rollouts x 2 epochs x 4 minibatches
 
 

@@ -1,8 +1,7 @@
-"""The Monitor where users already look: pandas, TensorBoard writers, SB3's logger; README examples."""
+"""The Monitor where users already look: pandas, TensorBoard writers, SB3's logger; the examples of docs/integrations.md."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import pandas as pd
 import pytest
 import torch
 import xarray as xr
+from docblocks import block
 
 from stabstudy.instruments.telemetry import Monitor, to_frame
 
@@ -174,19 +174,15 @@ def test_sb3_off_policy_telemetry_reaches_tensorboard_at_sb3s_dumps(tmp_path):
     assert all(np.isfinite(e.value) for e in tags["stability/grad_norm"]) and "stability/update_ratio" in tags
 
 
-# -- README examples ------------------------------------------------------------------
-def _readme_block(marker: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text.split("### Where you already look", 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, flags=re.S) if marker in b]
-    assert len(blocks) == 1, f"one README example with {marker!r} expected"
-    return blocks[0]
+# -- docs/integrations.md examples ------------------------------------------------------------------
+def _doc_block(marker: str) -> str:
+    return block("docs/integrations.md", marker)
 
 
 def test_readme_summary_writer_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
-    exec(compile(_readme_block("SummaryWriter"), "README:writer", "exec"), ns)
+    exec(compile(_doc_block("SummaryWriter("), "docs:writer", "exec"), ns)
     logdirs = [p for p in (tmp_path / "runs").rglob("*") if p.is_dir()] + [tmp_path / "runs"]
     found = {}
     for d in logdirs:
@@ -196,7 +192,7 @@ def test_readme_summary_writer_example(tmp_path, monkeypatch):
 
 def test_readme_sb3_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(_readme_block("tensorboard_log"), "README:sb3", "exec"), {})
+    exec(compile(_doc_block("tensorboard_log"), "docs:sb3", "exec"), {})
     runs = [p for p in (tmp_path / "runs").iterdir() if p.is_dir()]
     assert runs and "stability/grad_norm" in _scalars(runs[0])
 
@@ -204,7 +200,7 @@ def test_readme_sb3_example(tmp_path, monkeypatch):
 def test_readme_to_frame_example(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
-    exec(compile(_readme_block("to_frame"), "README:frame", "exec"), ns)
+    exec(compile(_doc_block("to_frame"), "docs:frame", "exec"), ns)
     df = ns["df"]
     assert list(df.columns) == ["step", "channel", "layer", "value"]
     assert "grad_norm" in capsys.readouterr().out
@@ -397,12 +393,12 @@ def test_hf_resume_without_telemetry_state_warns(tmp_path, monkeypatch):
     assert resumed.dataset().step.values.tolist() == [3, 4]  # the steps before are not invented
 
 
-# -- framework examples in the README -----------------------------------------------------
+# -- framework examples in docs/integrations.md -----------------------------------------------------
 def test_lightning_example(tmp_path, monkeypatch, capsys):
     pytest.importorskip("lightning")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
-    exec(compile(_readme_block("LightningTelemetryCallback"), "README:lightning", "exec"), ns)
+    exec(compile(_doc_block("LightningTelemetryCallback"), "docs:lightning", "exec"), ns)
     assert ns["ds"].sizes["step"] == 40
     logs = [p for p in (tmp_path / "lightning_logs").iterdir() if p.is_dir()]
     assert len(logs) == 1
@@ -416,7 +412,7 @@ def test_hf_example(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
     ns: dict = {}
-    exec(compile(_readme_block("HFTelemetryCallback"), "README:hf", "exec"), ns)
+    exec(compile(_doc_block("HFTelemetryCallback"), "docs:hf", "exec"), ns)
     assert ns["ds"].sizes["step"] == 20
     found: dict = {}
     for d in {p.parent for p in (tmp_path / "out").rglob("events.out.tfevents.*")}:

@@ -1,13 +1,12 @@
 """RL learners: real tiny stable-baselines3 runs on Pendulum-v1 (seeded)."""
 
-import re
-from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 import xarray as xr
+from docblocks import block
 from stable_baselines3.common.callbacks import CallbackList
 
 from stabstudy.analysis.studies import rl_comparison as study
@@ -410,11 +409,8 @@ def test_callbacks_compose_in_any_order(monkeypatch):
 
 
 def test_readme_sb3_example_runs_as_written(capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "CallbackList(" in b]
-    assert len(blocks) == 1, "one stable-baselines3 example in README.md"
     ns: dict = {}
-    exec(compile(blocks[0], "README.md:sb3-example", "exec"), ns)
+    exec(compile(block("docs/integrations.md", "CallbackList("), "docs/integrations.md:sb3-example", "exec"), ns)
     ds = ns["ds"]
     upd = ds.step.values > 0
     inside = upd & (ds.env_step.values >= 200) & (ds.env_step.values < 250)

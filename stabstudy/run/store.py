@@ -140,7 +140,7 @@ def version_drift(attrs: dict, domain: str | None = None) -> list[str]:
 
 def provenance(spec: RunSpec, status: str, wall_time_s: float, error: str = "",
                made_by: dict[str, str] | None = None) -> dict:
-    """Provenance attributes of a stored run (README, "Dataset schema"). ``made_by``: the :func:`code_identity`
+    """Provenance attributes of a stored run (README, "Stored runs"). ``made_by``: the :func:`code_identity`
     of the process that ran it (a Dask worker's), when not this one."""
     if status not in STATUSES:
         raise ValueError(f"unknown status {status!r}; valid: {', '.join(STATUSES)}")
