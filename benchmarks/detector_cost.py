@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from stabstudy.analysis.warning import evaluation as E
-from stabstudy.analysis.warning import features as F
-from stabstudy.analysis.warning.metastate import MetaConfig, MetaState, fit_pca, replay
+from stabstudy.analysis.warning.metastate import fit_pca, replay
 from stabstudy.hparams import GPTHParams, defaults
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.learners import lm
 from stabstudy.learners.corpus import get_batch, load_corpus
 from stabstudy.learners.gpt import GPT
+from stabstudy.online import MetaConfig, MetaState
+from stabstudy.online import features as F
 
 KINDS = ("lr_ramp", "lr_spike", "outlier_batch")
 

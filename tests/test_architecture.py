@@ -16,19 +16,21 @@ CORE = {"spec", "registry", "hparams", "paths", "seeding", "plots", "__init__"}
 #: Layer -> layers it may import (its own included). ``run`` orchestrates and may import anything.
 ALLOWED: dict[str, set[str]] = {
     "core": {"core"},
+    "online": {"core", "online"},
     "instruments": {"core", "instruments"},
-    "interventions": {"core", "instruments", "interventions", "analysis.warning"},
-    "learners": {"core", "instruments", "interventions", "learners"},
-    "analysis": {"core", "analysis", "instruments"},
-    "run": {"core", "instruments", "interventions", "learners", "analysis", "run"},
+    "interventions": {"core", "online", "instruments", "interventions"},
+    "learners": {"core", "online", "instruments", "interventions", "learners"},
+    "analysis": {"core", "online", "analysis", "instruments"},
+    "run": {"core", "online", "instruments", "interventions", "learners", "analysis", "run"},
     "__main__": {"run"},
 }
 
 
 def layer_of(module: str) -> str:
-    """``stabstudy.learners.rl.learner`` -> ``learners``; top-level modules -> ``core``."""
+    """``stabstudy.learners.rl.learner`` -> ``learners``; ``stabstudy.online`` (a package) -> ``online``;
+    top-level modules -> ``core``."""
     parts = module.split(".")[1:]
-    if len(parts) == 1:
+    if len(parts) == 1 and not (PKG / parts[0]).is_dir():
         return "__main__" if parts[0] == "__main__" else "core"
     return parts[0]
 
@@ -97,5 +99,9 @@ def test_the_arrow_check_can_fail():
     assert not permitted("stabstudy.learners.toy", "stabstudy.run.store")
     assert not permitted("stabstudy.spec", "stabstudy.learners.lm")
     assert permitted("stabstudy.learners.toy", "stabstudy.instruments.curvature")
-    assert permitted("stabstudy.interventions.control", "stabstudy.analysis.warning.detectors")
+    assert not permitted("stabstudy.interventions.control", "stabstudy.analysis.warning.evaluation")
+    assert not permitted("stabstudy.online.robust", "stabstudy.interventions.control")
+    assert not permitted("stabstudy.online.metastate", "stabstudy.analysis.warning.metastate")
+    assert permitted("stabstudy.interventions.control", "stabstudy.online.robust")
+    assert permitted("stabstudy.analysis.warning.evaluation", "stabstudy.online")
     assert not permitted("stabstudy.interventions.control", "stabstudy.analysis.studies.rl_comparison")

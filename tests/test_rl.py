@@ -458,7 +458,7 @@ def test_ppo_controller_acts_on_the_pre_clip_norm_and_files_its_actions():
     acted = ds.intervened.values > 0
     assert acted.any() and set(ds.action.values[acted]) == {control.ACTION_CODES["skip"]}
     assert np.nanmax(ds.grad_norm.values) <= 0.5 + 1e-6  # what the optimizer saw: no spike to see there
-    assert ds.attrs["controller_detectors"].startswith("FastRobustZ")
+    assert ds.attrs["controller_detectors"].startswith("RobustZ")
 
 
 def test_a_controller_keeps_the_rows_log_every_keeps():

@@ -9,12 +9,13 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from stabstudy.analysis.warning import detectors as D
+from stabstudy import online as D
 from stabstudy.analysis.warning import evaluation as E
-from stabstudy.analysis.warning import features as F
 from stabstudy.analysis.warning.labels import LabelRule, label_run, label_runs
-from stabstudy.analysis.warning.metastate import MetaConfig, MetaState, fit_pca, replay
+from stabstudy.analysis.warning.metastate import fit_pca, replay
 from stabstudy.interventions.perturb import Perturbation, Schedule
+from stabstudy.online import MetaConfig, MetaState
+from stabstudy.online import features as F
 
 TELEMETRY = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos", "adam_m_norm", "adam_v_mean",
              "attn_logit_max", "attn_entropy_min", "out_logit_max", "lr")

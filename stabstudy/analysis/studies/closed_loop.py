@@ -44,7 +44,7 @@ import xarray as xr
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import lm_spikes, rl_comparison
-from stabstudy.analysis.warning.detectors import RobustZ, WindowZ, ZClipZ
+from stabstudy.online import RobustZ, WindowZ, ZClipZ
 from stabstudy.spec import Perturbation, RunSpec
 
 SOURCE = "source paper (arXiv 2601.13160)"

@@ -22,9 +22,9 @@ import xarray as xr
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import lm_spikes
 from stabstudy.analysis.warning import evaluation as E
-from stabstudy.analysis.warning import features as F
 from stabstudy.analysis.warning.labels import LabelRule, label_runs
-from stabstudy.analysis.warning.metastate import MetaConfig, PCAModel
+from stabstudy.online import MetaConfig, PCAModel
+from stabstudy.online import features as F
 from stabstudy.spec import Perturbation, RunSpec
 
 SOURCE = "source paper (arXiv 2601.13160)"

@@ -1,7 +1,8 @@
-"""Early warning of training collapse: performance labels, leakage-guarded features, the online
-meta-state, streaming detectors and their fair evaluation.
+"""Early warning of training collapse: performance labels (:mod:`.labels`), the batch side of the
+meta-state (:mod:`.metastate`: PCA fit and replay) and the fair evaluation of detectors
+(:mod:`.evaluation`). The streaming parts (detectors, features and their leakage guard, the
+meta-state itself) live in :mod:`stabstudy.online`.
 
-Submodules are imported explicitly (``from stabstudy.analysis.warning import detectors``) so that a
-controller importing the numpy-only streaming parts (:mod:`.features`, :mod:`.metastate`,
-:mod:`.detectors`) does not pay for scipy, scikit-learn or pandas, which :mod:`.evaluation` uses.
+Submodules are imported explicitly (``from stabstudy.analysis.warning import evaluation``): the
+evaluation pays for scipy, scikit-learn and pandas.
 """

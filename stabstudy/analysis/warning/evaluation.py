@@ -31,9 +31,10 @@ import pandas as pd
 import xarray as xr
 from tqdm.std import tqdm  # not tqdm.auto: without ipywidgets it warns into every executed notebook
 
-from stabstudy.analysis.warning import detectors as D
-from stabstudy.analysis.warning import features as F
-from stabstudy.analysis.warning.metastate import MetaConfig, MetaState, PCAModel, fit_pca, replay
+from stabstudy import online as D
+from stabstudy.analysis.warning.metastate import fit_pca, replay
+from stabstudy.online import MetaConfig, MetaState, PCAModel
+from stabstudy.online import features as F
 
 #: Event family of a run by its perturbation kind (``none``: an unperturbed run).
 FAMILY: dict[str, str] = {"lr_ramp": "slow-onset", "lr_spike": "shock", "outlier_batch": "shock",
@@ -47,7 +48,7 @@ META_STATS = ("t2", "q", "coordination")
 class DetectorSpec:
     """One row of the comparison: a ``name``, the ``feature`` it reads (``meta:<stat>`` for the
     meta-state), its ``family`` (``performance``, ``single``, ``meta`` or ``knob-aware``) and a
-    factory of fresh :class:`stabstudy.analysis.warning.detectors.Detector` objects."""
+    factory of fresh :class:`stabstudy.online.Detector` objects."""
 
     name: str
     feature: str
@@ -484,7 +485,7 @@ def fit_meta(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[str], c
 
 
 def ews_reference(x: np.ndarray, indicator: str, detrend: int, window: int, span: int) -> np.ndarray:
-    """The critical-slowing-down score of :class:`stabstudy.analysis.warning.detectors.KendallEWS`
+    """The critical-slowing-down score of :class:`stabstudy.online.detectors.KendallEWS`
     computed with ``ewstools`` on a whole series ``x`` (shape (step,)): the same causal residuals,
     ewstools' rolling variance / lag-1 autocorrelation (trailing windows, so causal), and at each step
     ewstools' Kendall tau of the last ``span`` indicator values. Slow (one ewstools call per step):

@@ -20,6 +20,8 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
+from stabstudy.online.robust import MAD_SCALE, rolling_median_mad
+
 #: Performance channels a label may read -> whether higher values are worse (a loss) or better.
 PERFORMANCE: dict[str, bool] = {"loss": True, "ce_loss": True, "val_loss": True, "perf": False}
 
@@ -60,22 +62,13 @@ def band(values: np.ndarray, window: int, k: float, min_excess: float) -> tuple[
 
     ``level[t]`` is the median of the finite values among ``values[t - window:t]`` and
     ``upper[t] = level[t] + max(k * 1.4826 * MAD, min_excess)``; NaN where fewer than
-    ``window // 2`` past values are finite.
+    ``window // 2`` past values are finite. The median and MAD are
+    :func:`stabstudy.online.robust.rolling_median_mad`'s, the meta-state's.
     """
-    x = np.asarray(values, dtype=float)
-    n = x.size
-    padded = np.concatenate([np.full(window, np.nan), np.where(np.isfinite(x), x, np.nan)])
-    past = np.lib.stride_tricks.sliding_window_view(padded[:-1], window)[:n]  # row t = x[t-window:t]
-    enough = np.isfinite(past).sum(axis=1) >= max(window // 2, 2)
-    level = np.full(n, np.nan)
-    upper = np.full(n, np.nan)
-    if enough.any():
-        p = past[enough]
-        med = np.nanmedian(p, axis=1)
-        mad = np.nanmedian(np.abs(p - med[:, None]), axis=1)
-        level[enough] = med
-        upper[enough] = med + np.maximum(k * 1.4826 * mad, min_excess)
-    return level, upper
+    med, mad, n = rolling_median_mad(np.asarray(values, dtype=float), window, window_of="steps")
+    enough = n >= max(window // 2, 2)
+    level = np.where(enough, med, np.nan)
+    return level, np.where(enough, med + np.maximum(k * MAD_SCALE * mad, min_excess), np.nan)
 
 
 def onset(values: np.ndarray, rule: LabelRule, diverged: bool = False, steps: np.ndarray | None = None,

@@ -2,7 +2,7 @@
 
 * ``none``: no controller;
 * ``z_skip``, ``z_lr``, ``z_adam``, ``z_rollback``, ``z_clip``: our controller, a robust z-score
-  (:class:`~stabstudy.analysis.warning.detectors.RobustZ`: trailing median and MAD, one-sided up)
+  (:class:`~stabstudy.online.robust.RobustZ`: trailing median and MAD, one-sided up)
   of ``log10`` of the gradient norm and of the loss, alarm at ``threshold`` (default 6), with one
   action each: skip the step, learning-rate back-off, raise Adam's second moment, roll back, clip;
 * ``olmo``: OLMo-core's skip-step rule, loss or gradient-norm z > 6 against the last 128 steps,
@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from stabstudy.analysis.warning.detectors import Level
 from stabstudy.interventions.control.actions import (
     ACTION_CODES,
     AdamSecondMoment,
@@ -31,7 +30,7 @@ from stabstudy.interventions.control.actions import (
     Skip,
 )
 from stabstudy.interventions.control.controller import Controller, NonFinite, StepHooks, as_records
-from stabstudy.interventions.control.fastz import FastRobustZ
+from stabstudy.online import Level, RobustZ
 
 #: Names a learner accepts (``hparams.controller``), with what each does.
 CONTROLLERS: dict[str, str] = {
@@ -99,7 +98,7 @@ class OlmoSkip(StepHooks):
     ``torch.where(skip, saved, new)`` puts the old values back: the step is undone exactly, on the
     device, whatever the optimizer (OLMo-core multiplies the update by the factor inside its own
     AdamW instead). The values enter the window whether skipped or not, as in OLMo-core and as in
-    :class:`~stabstudy.analysis.warning.detectors.WindowZ`, which the tests hold it equal to on
+    :class:`~stabstudy.online.detectors.WindowZ`, which the tests hold it equal to on
     finite values. The copies cost two passes over the state per step. A step whose loss was never
     given (:meth:`observe`) is judged by its gradient norm alone (stable-baselines3 hands no loss to
     the optimizer's hooks). ``attach(..., before_clip=True)`` judges the norm before the learner's
@@ -216,8 +215,8 @@ def build(name: str, *, threshold: float = 0.0, window: int = 64, backoff: float
     if name == "nonfinite":
         return Controller(NonFinite(), Skip(), name=name)
     thr = threshold or 6.0
-    dets = {s: FastRobustZ(name=f"robust_z {s}", window=window, min_periods=max(window // 4, 4), side="up",
-                       threshold=thr) for s in ("grad_norm", "loss")}
+    dets = {s: RobustZ(name=f"robust_z {s}", window=window, min_periods=max(window // 4, 4), side="up",
+                   threshold=thr) for s in ("grad_norm", "loss")}
     action = {"z_skip": Skip(), "z_lr": LrBackoff(backoff, recovery), "z_adam": AdamSecondMoment(),
               "z_rollback": Rollback(every=snapshot_every), "z_clip": AdaptiveClip()}[name]
     return Controller(dets, action, log=True, warmup=warmup, name=name)

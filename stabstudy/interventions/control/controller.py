@@ -4,7 +4,7 @@ alarm the policy's action acts on it (skip, lr back-off, Adam's second moment, r
 It attaches to any torch optimizer through its step hooks (``register_step_pre_hook`` /
 ``register_step_post_hook``), or through a :class:`~stabstudy.instruments.telemetry.Monitor`'s
 pre-step view (:meth:`Monitor.add_pre_step_hook`), which hands over the gradient norm the Monitor
-computed anyway. The detectors are those of :mod:`stabstudy.analysis.warning.detectors` (any
+computed anyway. The detectors are those of :mod:`stabstudy.online` (any
 object with ``update(value) -> score`` and ``alarm(score)``), fed with ``grad_norm`` (read in the
 pre-hook) and ``loss`` (given with :meth:`Controller.observe` before ``optimizer.step()``).
 
@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from stabstudy.analysis.warning.detectors import Detector
 from stabstudy.interventions.control.actions import Action, AdaptiveClip, StepContext
+from stabstudy.online import Detector
 
 SIGNALS = ("grad_norm", "loss")
 

@@ -1,26 +1,24 @@
 """Streaming detectors with one interface: ``update(value) -> score``; an alarm is ``score > threshold``.
 
-Every detector reads one stream of floats (a feature of
-:mod:`stabstudy.analysis.warning.features`: the transforms, log10 included, happen before
-``update``), keeps its own state, and answers NaN while it warms up or when the value is missing.
-The threshold a detector is born with is its published default; the evaluation replaces it by a
-threshold calibrated to a common false-alarm budget.
+Every detector reads one stream of floats (a feature of :mod:`stabstudy.online.features`: the
+transforms, log10 included, happen before ``update``), keeps its own state, and answers NaN while it
+warms up or when the value is missing. The threshold a detector is born with is its published
+default; an evaluation may replace it by a threshold calibrated to a common false-alarm budget.
 
 * :class:`WindowZ`: OLMo-core's spike rule, z of the value against the mean and standard
   deviation of the last ``window`` values (z > 6 over 128 steps);
 * :class:`ZClipZ`: ZClip's z-score of the gradient norm against an EMA mean and variance, fed
   back with ZClip's own clipped value (Kumar et al. 2025, package ``zclip``);
-* :class:`RobustZ`: z against the trailing median and MAD, optionally EWMA-smoothed, one- or
-  two-sided (the univariate twin of the meta-state's standardisation);
+* :class:`~stabstudy.online.robust.RobustZ` (:mod:`.robust`): z against the trailing median and MAD;
 * :class:`Level`: the value itself (sharpness against 2/lr; a meta-state statistic);
 * :class:`KendallEWS`: critical slowing down: Kendall's tau, over the last ``span`` steps, of the
   rolling variance or lag-1 autocorrelation of causally detrended values (Scheffer et al. 2009);
-* :class:`ADWINGrid` and :class:`PageHinkley`: river's drift detectors on robust z-scores.
+* river's drift detectors on robust z-scores are in :mod:`.drift`.
 
-numpy only at import: the two river detectors import ``river`` when built. The ZClip rule is
-re-implemented here because the ``zclip`` package imports torch and ``torch.distributed`` and
-its public entry point, ``ZClip.step(model)``, reads the gradients of a model; the tests drive
-the package's own EMA methods on the same stream of norms and hold the two equal.
+numpy only. The ZClip rule is re-implemented here because the ``zclip`` package imports torch and
+``torch.distributed`` and its public entry point, ``ZClip.step(model)``, reads the gradients of a
+model; the tests drive the package's own EMA methods on the same stream of norms and hold the two
+equal.
 """
 
 from __future__ import annotations
@@ -30,22 +28,7 @@ from collections import deque
 
 import numpy as np
 
-NAN = float("nan")
-
-
-class Detector:
-    """Base class: ``name``, ``threshold`` (alarm when ``score > threshold``) and ``update``."""
-
-    name: str = "detector"
-    threshold: float = math.inf
-
-    def update(self, value: float) -> float:  # pragma: no cover - interface
-        """Feed one value; return the score at this step (NaN in warm-up or for a missing value)."""
-        raise NotImplementedError
-
-    def alarm(self, score: float) -> bool:
-        """Whether ``score`` raises an alarm (NaN never does)."""
-        return bool(score > self.threshold)
+from stabstudy.online.base import NAN, Detector, check_side, sided
 
 
 class _Past:
@@ -62,10 +45,6 @@ class _Past:
             self.values.append(x)
 
 
-def _sided(z: float, side: str) -> float:
-    return z if side == "up" else -z if side == "down" else abs(z)
-
-
 class WindowZ(Detector):
     """``(x - mean) / std`` over the previous ``window`` finite values (OLMo-core: 128, alarm at 6).
 
@@ -74,7 +53,8 @@ class WindowZ(Detector):
 
     def __init__(self, name: str = "olmo_z", window: int = 128, min_periods: int = 32, side: str = "up",
                  threshold: float = 6.0):
-        self.name, self.window, self.min_periods, self.side, self.threshold = name, window, min_periods, side, threshold
+        self.name, self.window, self.min_periods, self.threshold = name, window, min_periods, threshold
+        self.side = check_side(side)
         self._past = _Past(window)
 
     def update(self, value: float) -> float:
@@ -83,41 +63,9 @@ class WindowZ(Detector):
         score = NAN
         if math.isfinite(x) and p.size >= self.min_periods:
             sd = p.std(ddof=1)
-            score = _sided((x - p.mean()) / sd, self.side) if sd > 0 else NAN
+            score = sided((x - p.mean()) / sd, self.side) if sd > 0 else NAN
         self._past.push(x)
         return score
-
-
-class RobustZ(Detector):
-    """``(x - median) / (1.4826 MAD)`` over the previous ``window`` finite values, clipped to
-    ``+-clip`` (none by default: a clipped score saturates, and a calibrated threshold can land on
-    the clip), EWMA-smoothed with factor ``ewma`` (1 = none), then one- or two-sided."""
-
-    def __init__(self, name: str = "robust_z", window: int = 64, min_periods: int = 16, side: str = "both",
-                 ewma: float = 1.0, clip: float = math.inf, floor: float = 1e-3, threshold: float = 5.0):
-        self.name, self.window, self.min_periods, self.side = name, window, min_periods, side
-        self.ewma, self.clip, self.floor, self.threshold = ewma, clip, floor, threshold
-        self._past = _Past(window)
-        self._s: float | None = None
-
-    def z(self, value: float) -> float:
-        """The unsmoothed, unsided robust z of ``value`` (and ``value`` joins the window)."""
-        x = float(value)
-        p = self._past.array()
-        z = NAN
-        if math.isfinite(x) and p.size >= self.min_periods:
-            med = float(np.median(p))
-            mad = float(np.median(np.abs(p - med)))
-            z = min(max((x - med) / max(1.4826 * mad, self.floor), -self.clip), self.clip)
-        self._past.push(x)
-        return z
-
-    def update(self, value: float) -> float:
-        z = self.z(value)
-        if math.isnan(z):
-            return NAN
-        self._s = z if self._s is None else self.ewma * z + (1 - self.ewma) * self._s
-        return _sided(self._s, self.side)
 
 
 class ZClipZ(Detector):
@@ -163,13 +111,13 @@ class Level(Detector):
     repeats the last score (a quantity measured every k steps, like ``lambda_max``)."""
 
     def __init__(self, name: str = "level", side: str = "up", hold: bool = True, threshold: float = math.inf):
-        self.name, self.side, self.hold, self.threshold = name, side, hold, threshold
+        self.name, self.side, self.hold, self.threshold = name, check_side(side), hold, threshold
         self._last = NAN
 
     def update(self, value: float) -> float:
         x = float(value)
         if math.isfinite(x):
-            self._last = _sided(x, self.side)
+            self._last = sided(x, self.side)
             return self._last
         return self._last if self.hold else NAN
 
@@ -237,60 +185,3 @@ class KendallEWS(Detector):
         if len(self._ind) < self.span:
             return NAN
         return kendall_tau(np.fromiter(self._ind, dtype=float))
-
-
-class ADWINGrid(Detector):
-    """river's ADWIN on robust z-scores, run at several confidences ``deltas`` at once.
-
-    ADWIN answers only drift / no drift; the score is ``-log10`` of the largest ``delta``
-    that flags a drift at this step (0 when none), so that a calibrated threshold picks a
-    confidence. ``clock=1`` checks every step (river's default of 32 would delay alarms).
-    """
-
-    def __init__(self, name: str = "adwin", deltas: tuple[float, ...] = (0.5, 0.1, 2e-2, 2e-3, 2e-4, 2e-5, 2e-6),
-                 window: int = 64, min_periods: int = 16, threshold: float = -math.log10(2e-3)):
-        from river import drift
-
-        self.name, self.threshold, self.deltas = name, threshold, tuple(sorted(deltas, reverse=True))
-        self._z = RobustZ(window=window, min_periods=min_periods, clip=10.0)  # one wild value must not own the mean
-        self._adwins = [drift.ADWIN(delta=d, clock=1) for d in self.deltas]
-
-    def update(self, value: float) -> float:
-        z = self._z.z(value)
-        if math.isnan(z):
-            return NAN
-        score = 0.0
-        for d, a in zip(self.deltas, self._adwins, strict=True):
-            a.update(z)
-            if a.drift_detected and score == 0.0:
-                score = -math.log10(d)
-        return score
-
-
-class PageHinkley(Detector):
-    """river's Page-Hinkley test for an increase of the mean of robust z-scores.
-
-    river exposes only a drift flag; the score is its cumulative statistic
-    ``sum_increase - min_increase`` (what river compares with its ``threshold``), read from the
-    detector with river's own threshold set to infinity so that it never resets. ``delta`` is the
-    shift tolerated per step, in robust standard deviations here: river's default of 0.005 (for raw
-    data) lets the statistic random-walk on in-control z-scores.
-    """
-
-    def __init__(self, name: str = "page_hinkley", delta: float = 0.5, alpha: float = 1 - 1e-4,
-                 min_instances: int = 30, window: int = 64, min_periods: int = 16, threshold: float = 50.0):
-        from river import drift
-
-        self.name, self.threshold = name, threshold
-        self._z = RobustZ(window=window, min_periods=min_periods, clip=10.0)  # one wild value must not own the mean
-        self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=math.inf, alpha=alpha,
-                                     mode="up")
-
-    def update(self, value: float) -> float:
-        z = self._z.z(value)
-        if math.isnan(z):
-            return NAN
-        self._ph.update(z)
-        if self._ph._x_mean.n < self._ph.min_instances:
-            return NAN
-        return float(self._ph._sum_increase - self._ph._min_increase)

@@ -13,7 +13,8 @@ because training is becoming unstable. So:
 * :data:`KNOB_AWARE` derived features (sharpness against 2/lr) are knob-aware by construction.
 
 :func:`check` raises ``ValueError`` naming the offending channels; every detector and meta-state
-built by :mod:`stabstudy.analysis.warning.evaluation` passes through it. numpy only.
+built by :mod:`stabstudy.analysis.warning.evaluation` passes through it; so does the streaming
+:class:`~stabstudy.online.metastate.MetaState`. numpy only.
 """
 
 from __future__ import annotations
