@@ -112,6 +112,35 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 )}
 
 
+_ADDED: set[str] = set()
+
+
+def add_kind(kind: Kind) -> None:
+    """Add a kind at run time (what :func:`stabstudy.interventions.perturb.register` does for a new
+    :class:`Kind`); ``ValueError`` for a taken name, an unknown dimension or domain."""
+    if not isinstance(kind, Kind):
+        raise TypeError(f"add_kind needs a Kind, got {type(kind).__name__}")
+    if not kind.name.isidentifier() or kind.name in KINDS:
+        raise ValueError(f"perturbation kind name {kind.name!r} is taken or not an identifier; "
+                         f"taken: {', '.join(KINDS)}")
+    if kind.dimension not in DIMENSIONS:
+        raise ValueError(f"kind {kind.name!r}: unknown dimension {kind.dimension!r}; valid: {', '.join(DIMENSIONS)}")
+    bad = [d for d in kind.domains if d not in DOMAINS] if isinstance(kind.domains, tuple) else [kind.domains]
+    if bad or not kind.domains:
+        raise ValueError(f"kind {kind.name!r}: domains must be a non-empty tuple of {', '.join(DOMAINS)}; got {kind.domains!r}")
+    KINDS[kind.name] = kind
+    _ADDED.add(kind.name)
+
+
+def remove_kind(name: str) -> bool:
+    """Remove a kind :func:`add_kind` added; whether there was one (the built-in kinds stay)."""
+    if name not in _ADDED:
+        return False
+    _ADDED.discard(name)
+    del KINDS[name]
+    return True
+
+
 def check_kind(kind: str, domain_name: str | None = None) -> Kind:
     """The :class:`Kind` called ``kind``; ``ValueError`` naming the valid choices otherwise."""
     if kind not in KINDS:

@@ -33,8 +33,11 @@ step and halves the scale (``skipped_step`` = 1, ``nonfinite_grads`` > 0, ``loss
 step), and the run goes on; non-finite parameters still end it as diverged. Without a scaler nothing
 skips the update, so a non-finite loss sends its gradient into AdamW: that is divergence, as above.
 
-The grid builders and analyses used by ``notebooks/02_nanogpt_spike_studies.ipynb``
-live at the bottom of this module.
+Perturbations: every kind :data:`stabstudy.registry.KINDS` lists for ``lm``, through the hooks of
+a :class:`~stabstudy.interventions.perturb.Perturber` (``reinit_layer`` defaults to
+``blocks.0.attn``; ``outlier_batch`` fills with ``params['token']``, default the corpus's rarest byte).
+The grid builders and analyses used by ``notebooks/02_nanogpt_spike_studies.ipynb`` are in
+:mod:`stabstudy.analysis.studies.lm_spikes`.
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ import xarray as xr
 from stabstudy.hparams import GPTHParams, merged
 from stabstudy.instruments import curvature, precision
 from stabstudy.instruments.telemetry import Monitor
-from stabstudy.interventions import control, perturb
-from stabstudy.interventions.perturb import Schedule
+from stabstudy.interventions import control
+from stabstudy.interventions.perturb import Perturber
 from stabstudy.learners.corpus import get_batch, load_corpus, outlier_batch
 from stabstudy.learners.gpt import GPT, GPTConfig, resolve_device
 from stabstudy.seeding import seed_everything
@@ -191,10 +194,11 @@ def run(spec: RunSpec) -> xr.Dataset:
     """Train a GPT as ``spec`` says; return the per-step Dataset (see module docstring)."""
     hp = hparams(spec)
     steps, seed = spec.steps, spec.seed
+    pert = Perturber(spec.perturbations, torch.Generator().manual_seed(seed + 1_000_003), layer="blocks.0.attn",
+                     outliers=lambda b, p, gen: outlier_batch(*b, p.dose, int(p.p.get("token", corpus.rare_token))))
+    hp = pert.hparams(hp)
     seed_everything(seed)
     device = resolve_device(str(hp["device"]))
-    sched = Schedule(spec.perturbations)
-    kinds = {p.kind for p in spec.perturbations}
 
     corpus = load_corpus(spec.task, int(hp["corpus_bytes"]), float(hp["val_frac"]))
     model = GPT(model_config(hp))
@@ -215,15 +219,13 @@ def run(spec: RunSpec) -> xr.Dataset:
     opt = make_optimizer(model, hp)
     B, T = int(hp["batch_size"]), int(hp["block_size"])
     data_gen = torch.Generator().manual_seed(seed)
-    pert_gen = torch.Generator().manual_seed(seed + 1_000_003)
     val_gen = torch.Generator().manual_seed(seed + 2_000_003)
     val_batches = [get_batch(corpus.val, B, T, val_gen) for _ in range(int(hp["eval_batches"]))]
-    warmup = 0 if "no_warmup" in kinds else int(hp["warmup"])
+    warmup = int(hp["warmup"])
     eval_every = spec.eval_every or max(steps // 10, 1)
     diag_every = int(hp["diag_every"]) or spec.log_every
-    beta1, beta2 = float(hp["beta1"]), float(hp["beta2"])
     precision_mode = (hp["autocast_dtype"] != "float32" or param_dtype != torch.float32
-                      or bool(hp["grad_scaler"]) or "precision_switch" in kinds)
+                      or bool(hp["grad_scaler"]) or pert.overrides("autocast_dtype"))
     scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
                                         growth_interval=int(hp["scaler_growth_interval"]))
     mon = Monitor(model, opt, every=spec.log_every, sync_every=SYNC_EVERY)
@@ -256,25 +258,15 @@ def run(spec: RunSpec) -> xr.Dataset:
     try:
         for step in range(steps):
             # -- schedule: learning rate, beta2, precision --------------------------------
-            lr = lr_at(step, steps, float(hp["lr"]), warmup, float(hp["min_lr_frac"])) * sched.lr_factor(step)
-            b2p = sched.of_kind("beta2_shift", step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-                g["betas"] = (beta1, b2p.dose if b2p is not None else beta2)
-            sw = sched.of_kind("precision_switch", step)
-            ac_name = str(sw.p.get("dtype", "bfloat16")) if sw is not None else str(hp["autocast_dtype"])
+            lr = pert.on_step_start(step, opt, lr_at(step, steps, float(hp["lr"]), warmup, float(hp["min_lr_frac"])))
+            ac_name = pert.setting(step, "autocast_dtype", str(hp["autocast_dtype"]))
             # -- data (the stream is drawn the same way with and without perturbations) ----
             x, y = get_batch(corpus.train, B, T, data_gen)
-            ob = sched.of_kind("outlier_batch", step)
-            if ob is not None:
-                x, y = outlier_batch(x, y, ob.dose, int(ob.p.get("token", corpus.rare_token)))
+            x, y = pert.on_batch(step, (x, y))
             # pageable source: the driver stages it, no stream synchronisation
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # -- instantaneous parametric perturbations ------------------------------------
-            for p in sched.starts_at(step, "weight_noise"):
-                perturb.add_weight_noise(model, p.dose, pert_gen)
-            for p in sched.starts_at(step, "reinit_layer"):
-                perturb.reinit_layer(model, str(p.p.get("layer", "blocks.0.attn")), p.dose, pert_gen)
+            pert.on_params(step, model)
             # -- forward / backward ----------------------------------------------------------
             diag_now = step % diag_every == 0
             with precision.autocast(device.type, ac_name):
@@ -288,15 +280,12 @@ def run(spec: RunSpec) -> xr.Dataset:
                 if k in rec:
                     rec[k][step] = v
             done = step + 1
-            ls = sched.of_kind("loss_scale", step)
-            objective = loss * ls.dose if ls is not None else loss
+            objective = pert.on_loss(step, loss)
             opt.zero_grad(set_to_none=True)
             scaler.scale(objective).backward()
             if scaler.is_enabled():
                 scaler.unscale_(opt)
-            gn = sched.of_kind("grad_noise", step)
-            if gn is not None:
-                perturb.add_grad_noise(params, gn.dose, pert_gen)
+            pert.on_grads(step, params)
             if float(hp["grad_clip"]) > 0:
                 torch.nn.utils.clip_grad_norm_(params, float(hp["grad_clip"]))
             if ctrl is not None:  # acts in the step's hooks, after the clip and the scaler's unscale
@@ -362,7 +351,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         for k in mon_ds.data_vars:
             if k not in ds:
                 ds[k] = ("step", mon_ds[k].values)
-    ds["perturbed"] = ("step", sched.mask(ds.step.values))
+    ds["perturbed"] = ("step", pert.mask(ds.step.values))
     if ctrl is not None:
         ds = ds.assign({k: ("step", v) for k, v in ctrl.records(done).items()})
         ds.attrs.update(ctrl.attrs())

@@ -22,8 +22,9 @@ after clipping), ``grad_norm_raw`` (before clipping), ``clipped``, ``test_loss``
 per run). A non-finite training loss, or one above ``diverge_loss``, ends the run with
 ``attrs["status"] = "diverged"``: the data up to that step is returned, nothing raises.
 
-Perturbations: ``lr_spike``, ``weight_noise``, ``reinit_layer`` (``params['layer']``,
-default ``rnn``).
+Perturbations: every kind :data:`stabstudy.registry.KINDS` lists for ``seq``, through the hooks of
+a :class:`~stabstudy.interventions.perturb.Perturber`: ``lr_spike``, ``weight_noise``,
+``reinit_layer`` (``params['layer']``, default ``rnn``).
 
 :func:`time_profile` measures the gradient of a loss read at the last step with
 respect to every hidden state of the same networks, for the closed-form check of
@@ -43,8 +44,7 @@ import xarray as xr
 
 from stabstudy.hparams import SeqHParams, merged
 from stabstudy.instruments.telemetry import Monitor
-from stabstudy.interventions import perturb
-from stabstudy.interventions.perturb import Schedule
+from stabstudy.interventions.perturb import Perturber
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
 
@@ -179,6 +179,8 @@ def run(spec: RunSpec) -> xr.Dataset:
         raise ValueError(f"seq.run got a {spec.domain!r} spec")
     hp = hparams(spec)
     seed, steps = spec.seed, spec.steps
+    pert = Perturber(spec.perturbations, torch.Generator().manual_seed(seed + 1_000_003), layer="rnn")
+    hp = pert.hparams(hp)
     seed_everything(seed)
     T, B = int(hp["T"]), int(hp["batch_size"])
     model = SeqNet(spec.learner, int(hp["hidden"]), float(hp["sigma"]), forget_bias=float(hp["forget_bias"]))
@@ -186,9 +188,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     opt = make_optimizer(params, hp)
     clip, diverge_loss, base_lr = float(hp["grad_clip"]), float(hp["diverge_loss"]), float(hp["lr"])
     data_gen = torch.Generator().manual_seed(seed)
-    pert_gen = torch.Generator().manual_seed(seed + 1_000_003)
     x_test, y_test = adding_batch(int(hp["eval_size"]), T, torch.Generator().manual_seed(_EVAL_SEED))
-    sched = Schedule(spec.perturbations)
     eval_every = spec.eval_every or max(1, steps // 50)
     names = ("loss", "grad_norm_raw", "clipped", "test_loss", "perf")
     rec = {k: np.full(steps, np.nan) for k in names}
@@ -196,13 +196,9 @@ def run(spec: RunSpec) -> xr.Dataset:
     status, done = "ok", 0
     try:
         for step in range(steps):
-            for g in opt.param_groups:
-                g["lr"] = base_lr * sched.lr_factor(step)
-            for p in sched.starts_at(step, "weight_noise"):
-                perturb.add_weight_noise(model, p.dose, pert_gen)
-            for p in sched.starts_at(step, "reinit_layer"):
-                perturb.reinit_layer(model, str(p.p.get("layer", "rnn")), p.dose, pert_gen)
-            x, y = adding_batch(B, T, data_gen)
+            pert.on_step_start(step, opt, base_lr)
+            pert.on_params(step, model)
+            x, y = pert.on_batch(step, adding_batch(B, T, data_gen))
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss_val = float(loss.detach())
             rec["loss"][step] = loss_val
@@ -211,7 +207,8 @@ def run(spec: RunSpec) -> xr.Dataset:
                 status = "diverged"
                 break
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            pert.on_loss(step, loss).backward()
+            pert.on_grads(step, params)
             # max_norm=inf leaves the gradient as it is and still returns its norm
             raw = float(torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else math.inf))
             rec["grad_norm_raw"][step] = raw
@@ -232,7 +229,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         for k in mds.data_vars:
             if k not in ds and "layer" not in mds[k].dims:
                 ds[k] = ("step", mds[k].values.astype(np.float64), mds[k].attrs)
-    ds["perturbed"] = ("step", sched.mask(steps_done))
+    ds["perturbed"] = ("step", pert.mask(steps_done))
     ds.attrs.update(status=status, n_params=sum(p.numel() for p in params), task=spec.task, T=T,
                     constant_predictor_mse=1.0 / 6.0)
     return ds

@@ -33,11 +33,11 @@ steps (default: 100 evaluations per run), ``perturbed``, and with
 after the update of that step). With a ``controller`` (:mod:`stabstudy.interventions.control`,
 attached through the Monitor's pre-step view) also ``intervened`` and ``action``.
 
-Perturbations (:mod:`stabstudy.interventions.perturb`): ``lr_spike``, ``beta2_shift`` (Adam
-only), ``grad_noise``, ``weight_noise``, ``reinit_layer`` (``params['layer']``,
-default ``layers.0``), ``outlier_batch`` (a ``dose`` fraction of the batch
-replaced by inputs of std ``outlier_scale`` with random one-hot targets),
-``loss_scale``.
+Perturbations: every kind :data:`stabstudy.registry.KINDS` lists for ``toy``, through the hooks of
+a :class:`~stabstudy.interventions.perturb.Perturber`: ``lr_spike``, ``lr_ramp``, ``beta2_shift``
+(Adam only), ``grad_noise``, ``weight_noise``, ``reinit_layer`` (``params['layer']``, default
+``layers.0``), ``outlier_batch`` (a ``dose`` fraction of the batch replaced by inputs of std
+``outlier_scale`` with random one-hot targets), ``loss_scale``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import xarray as xr
 from stabstudy.hparams import ToyHParams, merged
 from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
 from stabstudy.instruments.telemetry import Monitor
-from stabstudy.interventions import control, perturb
-from stabstudy.interventions.perturb import Schedule
+from stabstudy.interventions import control
+from stabstudy.interventions.perturb import Perturber
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
 
@@ -168,11 +168,14 @@ def run(spec: RunSpec) -> xr.Dataset:
         raise ValueError(f"toy.run got a {spec.domain!r} spec")
     hp = hparams(spec)
     seed = spec.seed
+    classification = spec.task == "digits"
+    pert = Perturber(spec.perturbations, torch.Generator().manual_seed(seed + 1_000_003), layer="layers.0",
+                     outliers=lambda b, p, gen: _outliers(*b, p.dose, float(hp["outlier_scale"]), gen, classification))
+    hp = pert.hparams(hp)
     seed_everything(seed)
     data = load_task(spec.task, int(hp["n_train"]), int(hp["n_test"]), int(hp["data_seed"]),
                      int(hp["synthetic_dim"]), int(hp["synthetic_out"]))
     xtr, ytr, ctr = data["x_train"], data["y_train"], data["c_train"]
-    classification = spec.task == "digits"
     model = MLP(xtr.shape[1], ytr.shape[1], int(hp["width"]), int(hp["depth"]), str(hp["activation"]))
     params = list(model.parameters())
     opt = make_optimizer(spec.learner, params, hp)
@@ -181,9 +184,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     bs = int(hp["batch_size"]) or (64 if spec.learner == "sgd" else n)
     full_batch = spec.learner == "gd" or bs >= n
     data_gen = torch.Generator().manual_seed(seed + 17)
-    pert_gen = torch.Generator().manual_seed(seed + 1_000_003)
-    sched = Schedule(spec.perturbations)
-    base_lr, beta1, beta2 = float(hp["lr"]), float(hp["beta1"]), float(hp["beta2"])
+    base_lr = float(hp["lr"])
 
     mon = Monitor(model, opt, every=spec.log_every)
     ctrl = control.from_hparams(hp)  # None unless hparams name one: then the loop runs as before
@@ -203,15 +204,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     try:
         for step in range(spec.steps):
             # -- schedule ------------------------------------------------------------
-            for g in opt.param_groups:
-                g["lr"] = base_lr * sched.lr_factor(step)
-                if "betas" in g:
-                    b2p = sched.of_kind("beta2_shift", step)
-                    g["betas"] = (beta1, b2p.dose if b2p is not None else beta2)
-            for p in sched.starts_at(step, "weight_noise"):
-                perturb.add_weight_noise(model, p.dose, pert_gen)
-            for p in sched.starts_at(step, "reinit_layer"):
-                perturb.reinit_layer(model, str(p.p.get("layer", "layers.0")), p.dose, pert_gen)
+            pert.on_step_start(step, opt, base_lr)
+            pert.on_params(step, model)
             # -- batch ---------------------------------------------------------------
             if full_batch:
                 x, y, c = xtr, ytr, ctr
@@ -221,18 +215,13 @@ def run(spec: RunSpec) -> xr.Dataset:
                 idx = order[cursor:cursor + bs]
                 cursor += bs
                 x, y, c = xtr[idx], ytr[idx], ctr[idx]
-            ob = sched.of_kind("outlier_batch", step)
-            if ob is not None:
-                x, y, c = _outliers(x, y, c, ob.dose, float(hp["outlier_scale"]), pert_gen, classification)
+            x, y, c = pert.on_batch(step, (x, y, c))
             # -- update --------------------------------------------------------------
             opt.zero_grad(set_to_none=True)
             loss = objective(model(x), y, c, loss_kind)
             loss_val = float(loss.detach())
-            ls = sched.of_kind("loss_scale", step)
-            (loss * ls.dose if ls is not None else loss).backward()
-            gn = sched.of_kind("grad_noise", step)
-            if gn is not None:
-                perturb.add_grad_noise(params, gn.dose, pert_gen)
+            pert.on_loss(step, loss).backward()
+            pert.on_grads(step, params)
             if ctrl is not None:
                 ctrl.observe(loss_val, step=step)
             opt.step()
@@ -261,7 +250,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         for k in CURVATURE_CHANNELS:
             if k not in ds:
                 ds[k] = ("step", np.full(done, np.nan))
-    ds["perturbed"] = ("step", sched.mask(steps))
+    ds["perturbed"] = ("step", pert.mask(steps))
     if ctrl is not None:
         for k, v in ctrl.records(done).items():
             ds[k] = ("step", v)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from stabstudy.interventions.perturb.effects import EFFECTS
 from stabstudy.spec import Perturbation
 
 
@@ -16,7 +17,8 @@ class Schedule:
 
     ``Schedule(perturbations)`` answers ``active(step)`` (the perturbations whose
     window ``[start, start + duration)`` contains ``step``), ``starts_at(step)``
-    (instantaneous kinds fire exactly once) and ``lr_factor(step)``.
+    (instantaneous kinds fire exactly once) and ``lr_factor(step)``; a learner applies it
+    through a :class:`~stabstudy.interventions.perturb.perturber.Perturber`.
     """
 
     def __init__(self, perturbations: tuple[Perturbation, ...] | list[Perturbation] = ()):
@@ -39,19 +41,15 @@ class Schedule:
         return tuple(p for p in self.perturbations if p.start == step and (kind is None or p.kind == kind))
 
     def lr_factor(self, step: int) -> float:
-        """Learning-rate factor at ``step``: the product of every active ``lr_spike``'s dose and every
-        started ``lr_ramp``'s ``dose ** (min(step - start + 1, duration) / duration)`` (1.0 when none).
-
-        A ramp keeps its final factor after its window, so ``perturbed`` (the window) marks the climb
-        only: a slow-onset disturbance that does not go away, unlike a spike.
+        """Learning-rate factor at ``step``: the product of every perturbation's
+        :meth:`~stabstudy.interventions.perturb.effects.Effect.lr_factor` (1.0 when none), kind by
+        kind in registration order (``lr_spike``'s dose while active, then ``lr_ramp``'s climb).
         """
         f = 1.0
-        for p in self.active(step):
-            if p.kind == "lr_spike":
-                f *= p.dose
-        for p in self.perturbations:
-            if p.kind == "lr_ramp" and step >= p.start:
-                f *= p.dose ** (min(step - p.start + 1, p.duration) / p.duration)
+        for kind, e in EFFECTS.items():
+            for p in self.perturbations:
+                if p.kind == kind:
+                    f *= e.lr_factor(p, step)
         return f
 
     def mask(self, steps: np.ndarray) -> np.ndarray:
