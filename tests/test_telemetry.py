@@ -851,6 +851,53 @@ def test_log_stage_copies_at_once_and_sends_in_blocks():
         stage.add(2, "bad", torch.zeros(3))
 
 
+def test_rows_on_host_are_the_rows_whose_block_arrived():
+    """What a streaming writer reads: complete rows only (a block of sync_every rows reaches the
+    host at a time), equal to to_dataset's rows, nothing copied or waited for by the call."""
+    lin = make_linear(torch.float32)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt, sync_every=4)
+    torch_steps(lin, opt, 6, mon)
+    mon.log(perf=3.0)
+    stop, rows = mon.rows_on_host(0, 6)
+    assert stop == 4  # rows 4 and 5 are still in the device block
+    assert set(OPT_CHANNELS) <= set(rows) and all(len(v) == 4 for v in rows.values())
+    assert mon.rows_on_host(2, 1) == (2, {})
+    ds = mon.to_dataset()  # brings the rest over
+    for ch in (*OPT_CHANNELS, "loss"):
+        np.testing.assert_array_equal(rows[ch], ds[ch].values[:4], err_msg=ch)
+    stop, rest = mon.rows_on_host(4, 99)
+    assert stop == 6
+    np.testing.assert_array_equal(rest["perf"], [np.nan, 3.0])  # logged to row 5 only
+    np.testing.assert_array_equal(rest["grad_norm"], ds.grad_norm.values[4:])
+    mon.close()
+
+
+def test_telemetry_modules_import_one_way():
+    """No import cycle among the Monitor's modules (type-only imports included)."""
+    import ast
+    import graphlib
+    import pathlib
+
+    import stabstudy.instruments.telemetry as pkg
+
+    root = pathlib.Path(pkg.__file__).parent
+    prefix = "stabstudy.instruments.telemetry."
+    graph = {}
+    for f in root.glob("*.py"):
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.startswith(prefix):
+                    deps.add(node.module[len(prefix):])
+                elif node.module == prefix[:-1]:
+                    deps.update(a.name for a in node.names if (root / f"{a.name}.py").exists())
+        graph[f.stem] = deps - {f.stem}
+    assert graph["state"] <= {"table", "channels"}
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a cycle
+    assert order.index("state") < order.index("adam") and order.index("state") < order.index("stats")
+
+
 @pytest.mark.parametrize("every", [1, 2])
 def test_scale_and_step_counts_held_as_tensors(monkeypatch, every):
     """The paths a GPU takes without reading back: a loss scale kept as a tensor (divided out on

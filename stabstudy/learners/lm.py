@@ -52,6 +52,7 @@ import xarray as xr
 from stabstudy.hparams import GPTHParams, merged
 from stabstudy.instruments import curvature, precision
 from stabstudy.instruments.telemetry import Monitor
+from stabstudy.instruments.telemetry.table import HostCopies, LogStage
 from stabstudy.interventions import control
 from stabstudy.interventions.perturb import Perturber
 from stabstudy.learners.corpus import get_batch, load_corpus, outlier_batch
@@ -74,56 +75,54 @@ PRECISION_CHANNELS = ("nonfinite_grads", "loss_scale", "skipped_step", "lost_upd
 SYNC_EVERY = 64
 
 
-class _DeviceLog:
+class _StepLog:
     """Per-step scalars of the training loop (loss, ce_loss, z_loss, and the sum of the
-    parameters' norms where their finiteness is checked), float64 on the device, copied to the
-    host a block of ``rows`` steps at a time."""
+    parameters' norms where their finiteness is checked), staged on the device by the Monitor's
+    own staging (:class:`~stabstudy.instruments.telemetry.table.LogStage`: one device copy per
+    value into a float64 buffer, no host read) and brought to ``rec`` a block at a time by
+    :meth:`flush`, which also finds a divergence in the block."""
 
-    LOSS, CE, Z, PARAMS = range(4)
-
-    def __init__(self, device: torch.device, rows: int):
-        self.t = torch.full((rows, 4), math.nan, dtype=torch.float64, device=device)
-        self.views = [list(r.unbind()) for r in self.t]
-        self.base, self.n = 0, 0  # first step in the block, steps in it
+    def __init__(self, rec: dict[str, np.ndarray], steps: int, rows: int):
+        self.rec = rec
+        self.params_norm = np.full(steps, np.nan)
+        self.copies = HostCopies()
+        self.stage = LogStage(self.copies, self._put, capacity=4 * rows)
+        self.rows = rows
+        self.base, self.n = 0, 0  # first step since the last flush, steps since then
         self.checked: list[int] = []  # steps whose parameters were checked
 
-    def put(self, step: int, col: int, value: torch.Tensor) -> None:
-        self.views[step - self.base][col].copy_(value.detach())
+    def _put(self, step: int, name: str, value: float) -> None:
+        (self.params_norm if name == "params_norm" else self.rec[name])[step] = value
+
+    def put(self, step: int, name: str, value: torch.Tensor) -> None:
+        self.stage.add(step, name, value)
         self.n = step - self.base + 1
 
     def check_params(self, step: int, params: list[torch.Tensor]) -> None:
         """Stage the finiteness check of ``precision.all_finite``: the sum of the parameters'
         norms in float64 is finite exactly when every element is."""
         with torch.no_grad():
-            self.put(step, self.PARAMS, torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64)).sum())
+            self.put(step, "params_norm", torch.stack(torch._foreach_norm(params, 2, dtype=torch.float64)).sum())
         self.checked.append(step)
 
     def full(self) -> bool:
-        return self.n == len(self.views)
+        return self.n == self.rows
 
-    def flush(self, rec: dict[str, np.ndarray], loss_diverges: bool = True) -> tuple[int, bool] | None:
-        """Copy the block to ``rec`` (loss, ce_loss, z_loss) and start the next one; return the
-        first diverged step in it with whether its loss (else its parameters) went non-finite.
-        ``loss_diverges=False``: only non-finite parameters count (a loss scaler skipped the step)."""
-        t, base, n = self.t[:self.n], self.base, self.n
-        if t.device.type == "cuda":  # one wait per block, on an event (the copy is the sync)
-            host = t.to("cpu", non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            ev.synchronize()
-            vals = host.numpy()
-        else:
-            vals = t.numpy().copy()
-        self.t.fill_(math.nan)
-        for k, col in (("loss", self.LOSS), ("ce_loss", self.CE), ("z_loss", self.Z)):
-            rec[k][base:base + n] = vals[:, col]
-        checked = set(self.checked)
+    def flush(self, loss_diverges: bool = True) -> tuple[int, bool] | None:
+        """Bring the staged values to ``rec`` (one wait on a GPU: the copy is the sync) and return
+        the first diverged step since the last flush with whether its loss (else its parameters)
+        went non-finite. ``loss_diverges=False``: only non-finite parameters count (a loss scaler
+        skipped the step)."""
+        self.stage.send_all()
+        self.copies.drain(wait=True)
+        base, n, checked = self.base, self.n, set(self.checked)
         self.base, self.n, self.checked = base + n, 0, []
-        for j in range(n):
-            if loss_diverges and not math.isfinite(vals[j, self.LOSS]):
-                return base + j, True
-            if base + j in checked and not math.isfinite(vals[j, self.PARAMS]):
-                return base + j, False
+        loss = self.rec["loss"]
+        for j in range(base, base + n):
+            if loss_diverges and not math.isfinite(loss[j]):
+                return j, True
+            if j in checked and not math.isfinite(self.params_norm[j]):
+                return j, False
         return None
 
 
@@ -254,7 +253,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     rec = {k: np.full(steps, np.nan) for k in names}
     mon_row_step: dict[int, int] = {}  # Monitor row -> step (a loss-scaler skip makes no row)
     status, done = "ok", 0
-    dlog = _DeviceLog(device, SYNC_EVERY)
+    dlog = _StepLog(rec, steps, SYNC_EVERY)
     try:
         for step in range(steps):
             # -- schedule: learning rate, beta2, precision --------------------------------
@@ -272,9 +271,9 @@ def run(spec: RunSpec) -> xr.Dataset:
             with precision.autocast(device.type, ac_name):
                 out = model(x, y, diagnostics=diag_now)
             loss = out.loss
-            dlog.put(step, dlog.LOSS, loss)
-            dlog.put(step, dlog.CE, out.ce)
-            dlog.put(step, dlog.Z, out.zloss)
+            dlog.put(step, "loss", loss)
+            dlog.put(step, "ce_loss", out.ce)
+            dlog.put(step, "z_loss", out.zloss)
             rec["lr"][step] = lr
             for k, v in out.diag.items():
                 if k in rec:
@@ -314,7 +313,7 @@ def run(spec: RunSpec) -> xr.Dataset:
             eval_now = (step + 1) % eval_every == 0 or step == steps - 1
             probe_now = probe is not None and step % spec.curvature_every == 0
             if dlog.full() or eval_now or probe_now:  # before evaluating: never a diverged model
-                diverged = dlog.flush(rec, loss_diverges=not skip_loss)
+                diverged = dlog.flush(loss_diverges=not skip_loss)
                 if diverged is not None:
                     s, at_loss = diverged
                     status, done = "diverged", s + 1

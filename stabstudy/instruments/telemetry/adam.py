@@ -12,19 +12,12 @@ coordinate on the device.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from stabstudy.instruments.telemetry.channels import D_M2, D_NBELOW, D_VSUM
-
-if TYPE_CHECKING:
-    from stabstudy.instruments.telemetry.stats import OptState
-
-
-def as_float(x: Any) -> float:
-    """A Python number or a one-element tensor as a float (a device tensor: a host sync)."""
-    return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
+from stabstudy.instruments.telemetry.channels import DevField
+from stabstudy.instruments.telemetry.state import OptState, as_float
 
 
 def flat_views(ts: list[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -148,20 +141,20 @@ def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor])
     if t is not None:
         b1, b2, e = hps[0]
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
-        torch.dot(y, y, out=dv[D_M2])
+        torch.dot(y, y, out=dv[DevField.M2])
         torch.cat(ad.flat_v(), out=y)
-        torch.sum(y, 0, out=dv[D_VSUM])
+        torch.sum(y, 0, out=dv[DevField.VSUM])
         torch.lt(y, e * e * bc2, out=y)
-        torch.sum(y, 0, out=dv[D_NBELOW])
+        torch.sum(y, 0, out=dv[DevField.NBELOW])
         return bc1, bc2
     inv1, inv2, thr = _per_param(st, ad, hps)
     y.mul_(_per_coord(st, inv1))
-    torch.dot(y, y, out=dv[D_M2])
+    torch.dot(y, y, out=dv[DevField.M2])
     torch.cat(ad.flat_v(), out=y)
     y.mul_(_per_coord(st, inv2))
-    torch.sum(y, 0, out=dv[D_VSUM])
+    torch.sum(y, 0, out=dv[DevField.VSUM])
     torch.lt(y, _per_coord(st, thr), out=y)
-    torch.sum(y, 0, out=dv[D_NBELOW])
+    torch.sum(y, 0, out=dv[DevField.NBELOW])
     return 1.0, 1.0
 
 
@@ -169,7 +162,7 @@ def _per_param(st: OptState, ad: AdamCache,
                hps: list[tuple[float, float, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """1 / (1 - beta1^t), 1 / (1 - beta2^t) and eps^2 per stepped parameter, float64 on the device."""
     per_hp = [h for h, (_, a, b) in zip(hps, ad.groups, strict=True) for _ in range(a, b)]
-    dev = st.buf.device
+    dev = st.flat.buf.device
     if not ad.device_steps:
         ts = ad.step_counts(st.opt)
         vals = [[1.0 / (1.0 - b1**t) for (b1, _, _), t in zip(per_hp, ts, strict=True)],
@@ -191,4 +184,4 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _per_coord(st: OptState, per_param: torch.Tensor) -> torch.Tensor:
     """A per-parameter value repeated over that parameter's coordinates (float32; the output
     size is given, so that the device needs no synchronisation to size it)."""
-    return torch.repeat_interleave(per_param.to(torch.float32), st.sizes_dev, output_size=st.N)
+    return torch.repeat_interleave(per_param.to(torch.float32), st.flat.sizes_dev, output_size=st.flat.N)

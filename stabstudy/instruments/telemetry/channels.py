@@ -1,9 +1,9 @@
 """What the Monitor records: channel names, the per-row statistics, and the channels derived from them.
 
-A row holds, per optimizer, two groups of fields. The *host fields* (``H_*``) are known
+A row holds, per optimizer, two groups of fields. The *host fields* (:class:`HostField`) are known
 in Python when the optimizer steps (what kind of step it was, learning rates, Adam's bias
 corrections, ...) and are written straight into a numpy table. The *device fields*
-(``D_*``) are sums over the gradient, parameters, update and Adam state; they are
+(:class:`DevField`) are sums over the gradient, parameters, update and Adam state; they are
 computed by torch ops on the parameters' device into a block of rows there, and copied to
 the host a block at a time (:mod:`stabstudy.instruments.telemetry.table`). The channels
 are derived from both with numpy (:func:`derive`) when they are read.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -49,25 +50,50 @@ OPT_CHANNELS = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_gra
 
 NAN = float("nan")
 
-# host fields, float64 per optimizer per row (NaN where not written)
-# H_KIND: what was computed when the optimizer stepped (NaN: it did not step in that row);
-# H_ORDER: how many optimizers stepped before it in the row; H_LR / H_LRP: its own lr and the
-# primary optimizer's, read at that step; H_PREV: the row of its previous own step when that
-# step's gradient is compared with this one (xgrad), else NaN; H_BC1 / H_BC2: Adam's bias
-# corrections still to apply to D_M2 (divided by bc1^2) and D_VSUM (by bc2); H_N: coordinates
-# of the Adam state read; H_SLOT: the gradient slot of a measured step (see below)
-H_KIND, H_ORDER, H_LR, H_LRP, H_PREV, H_BC1, H_BC2, H_N, H_SLOT = range(9)
-NH = 9
-K_NOPARAMS, K_GRAD, K_FULL, K_ADAM = 0.0, 1.0, 2.0, 3.0
+class HostField(IntEnum):
+    """Host fields of a row, float64 per optimizer (NaN where not written)."""
 
-# device fields, float32 per optimizer per row: ||g||^2 (of the true gradient: a loss scale is
-# divided out on the device), g.g_prev, ||w_before||^2, -u.g, ||u||^2, ||m||^2, sum(v),
-# #(v < eps^2 bc2); NaN where not computed. A measured step takes g.G0 and g.G1 (the two
-# gradient slots, one holding g) by one matrix-vector product into the first two fields, and
-# -u.g, u.u by another into D_NUG, D_U2; the first two are put in order (||g||^2, g.g_prev)
-# on the host by :func:`canonical`, from H_SLOT.
-D_G2, D_GPG, D_W2, D_NUG, D_U2, D_M2, D_VSUM, D_NBELOW = range(8)
-ND = 8
+    KIND = 0  #: what was computed when the optimizer stepped (a :class:`Kind`; NaN: it did not step in that row)
+    ORDER = 1  #: how many optimizers stepped before it in the row
+    LR = 2  #: its own lr, read at that step
+    LRP = 3  #: the primary optimizer's lr, read at that step
+    PREV = 4  #: the row of its previous own step when that step's gradient is compared with this one (xgrad), else NaN
+    BC1 = 5  #: Adam's bias correction 1 - beta1^t still to apply to DevField.M2 (divided by BC1^2)
+    BC2 = 6  #: Adam's bias correction 1 - beta2^t still to apply to DevField.VSUM (divided by BC2)
+    N = 7  #: coordinates of the Adam state read
+    SLOT = 8  #: the gradient slot of a measured step (see DevField)
+
+
+class Kind(IntEnum):
+    """What a row recorded for one optimizer (``HostField.KIND``); each kind includes the ones before it."""
+
+    NOPARAMS = 0  #: it stepped no parameter with a gradient
+    GRAD = 1  #: the gradient only (``grad_norm``; steps between ``every`` measurements)
+    FULL = 2  #: gradient, parameters and update
+    ADAM = 3  #: FULL and Adam's moments
+
+
+class DevField(IntEnum):
+    """Device fields of a row, float32 per optimizer (NaN where not computed).
+
+    A measured step takes g.G0 and g.G1 (the two gradient slots, one holding g) by one
+    matrix-vector product into the first two fields, and -u.g, u.u by another into NUG, U2;
+    the first two are put in order (G2, GPG) on the host by :func:`canonical`, from
+    ``HostField.SLOT``.
+    """
+
+    G2 = 0  #: ||g||^2 of the true gradient (a loss scale is divided out on the device)
+    GPG = 1  #: g . g_prev
+    W2 = 2  #: ||w_before||^2
+    NUG = 3  #: -u . g
+    U2 = 4  #: ||u||^2
+    M2 = 5  #: ||m||^2 (Adam, before bias correction unless HostField.BC1 is 1)
+    VSUM = 6  #: sum(v)
+    NBELOW = 7  #: #(v < eps^2 bc2)
+
+
+NH = len(HostField)
+ND = len(DevField)
 
 #: Per-layer quantities kept in the device blocks (after the ND fields), one column per layer each.
 LAYER_PARTS = ("g", "u", "w")
@@ -107,9 +133,9 @@ def canonical(D: np.ndarray, H: np.ndarray) -> None:
     """Put the first two device fields of rows ``D`` (rows x ND, one optimizer, as copied from its
     block) in order (||g||^2, g.g_prev), in place, where the step's gradient sat in slot 1
     (``H``: the same rows' host fields)."""
-    swap = H[:, H_SLOT] == 1.0
+    swap = H[:, HostField.SLOT] == 1.0
     if swap.any():
-        D[swap, D_G2], D[swap, D_GPG] = D[swap, D_GPG], D[swap, D_G2].copy()
+        D[swap, DevField.G2], D[swap, DevField.GPG] = D[swap, DevField.GPG], D[swap, DevField.G2].copy()
 
 
 @dataclass(frozen=True)
@@ -127,48 +153,48 @@ class PreStepStats:
 
 def previous_g2(H: np.ndarray, D: np.ndarray) -> np.ndarray:
     """||g||^2 of each optimizer's previous compared gradient for the rows ``H`` (any
-    selection; rows x optimizers): ``D_G2`` of the row that ``H_PREV`` names in ``D``, which
+    selection; rows x optimizers): ``DevField.G2`` of the row that ``HostField.PREV`` names in ``D``, which
     holds every row up to the latest; NaN where there is none."""
     out = np.full(H.shape[:2], np.nan)
-    prev = H[..., H_PREV]
+    prev = H[..., HostField.PREV]
     for i in range(H.shape[1]):
         at = np.flatnonzero(~np.isnan(prev[:, i]))
-        out[at, i] = D[prev[at, i].astype(np.int64), i, D_G2]
+        out[at, i] = D[prev[at, i].astype(np.int64), i, DevField.G2]
     return out
 
 
-def derive(H: np.ndarray, D: np.ndarray, gp2: np.ndarray, lr_field: int = H_LR) -> dict[str, np.ndarray]:
+def derive(H: np.ndarray, D: np.ndarray, gp2: np.ndarray, lr_field: int = HostField.LR) -> dict[str, np.ndarray]:
     """Channels from the host fields ``H`` (rows x optimizers x NH), the device fields ``D``
     (rows x optimizers x ND) and :func:`previous_g2` ``gp2``, summed over the optimizers that
     stepped in each row; ``lr`` is host field ``lr_field`` (own lr, or the primary's lr as read
     at that step) of the first optimizer that stepped in the row."""
-    kind = H[..., H_KIND]
+    kind = H[..., HostField.KIND]
     with np.errstate(invalid="ignore", divide="ignore"):
         def tot(x: np.ndarray, among: np.ndarray) -> np.ndarray:
             return np.where(among, x, 0.0).sum(1)
 
         nan = np.full(len(H), np.nan)
         out = {ch: nan for ch in OPT_CHANNELS}
-        with_g = kind >= K_GRAD
-        out["grad_norm"] = np.where(with_g.any(1), np.sqrt(tot(D[..., D_G2], with_g)), nan)
-        full = kind >= K_FULL
-        g2, u2, w2 = (tot(D[..., f], full) for f in (D_G2, D_U2, D_W2))
-        ug = -tot(D[..., D_NUG], full)
+        with_g = kind >= Kind.GRAD
+        out["grad_norm"] = np.where(with_g.any(1), np.sqrt(tot(D[..., DevField.G2], with_g)), nan)
+        full = kind >= Kind.FULL
+        g2, u2, w2 = (tot(D[..., f], full) for f in (DevField.G2, DevField.U2, DevField.W2))
+        ug = -tot(D[..., DevField.NUG], full)
         has = full.any(1)
         out["update_norm"] = np.where(has, np.sqrt(u2), nan)
         out["update_ratio"] = np.where(has & (w2 > 0), np.sqrt(u2) / np.sqrt(w2), nan)
         out["update_grad_cos"] = np.where(has & (u2 > 0) & (g2 > 0), -ug / np.sqrt(u2 * g2), nan)
-        prev = full & ~np.isnan(H[..., H_PREV])
-        g2p, gp2s, gpg = tot(D[..., D_G2], prev), tot(gp2, prev), tot(D[..., D_GPG], prev)
+        prev = full & ~np.isnan(H[..., HostField.PREV])
+        g2p, gp2s, gpg = tot(D[..., DevField.G2], prev), tot(gp2, prev), tot(D[..., DevField.GPG], prev)
         out["xgrad"] = np.where(prev.any(1) & (g2p > 0) & (gp2s > 0), gpg / np.sqrt(g2p * gp2s), nan)
-        adam = kind == K_ADAM
-        n = tot(H[..., H_N], adam)
+        adam = kind == Kind.ADAM
+        n = tot(H[..., HostField.N], adam)
         has = adam.any(1)
-        out["adam_m_norm"] = np.where(has, np.sqrt(tot(D[..., D_M2] / H[..., H_BC1] ** 2, adam)), nan)
-        out["adam_v_mean"] = np.where(has, tot(D[..., D_VSUM] / H[..., H_BC2], adam) / n, nan)
-        out["adam_eps_frac"] = np.where(has, tot(D[..., D_NBELOW], adam) / n, nan)
+        out["adam_m_norm"] = np.where(has, np.sqrt(tot(D[..., DevField.M2] / H[..., HostField.BC1] ** 2, adam)), nan)
+        out["adam_v_mean"] = np.where(has, tot(D[..., DevField.VSUM] / H[..., HostField.BC2], adam) / n, nan)
+        out["adam_eps_frac"] = np.where(has, tot(D[..., DevField.NBELOW], adam) / n, nan)
         stepped = ~np.isnan(kind)
-        order = np.where(stepped, H[..., H_ORDER], np.inf)
+        order = np.where(stepped, H[..., HostField.ORDER], np.inf)
         first = stepped & (order == order.min(1, keepdims=True))
         out["lr"] = np.where(stepped.any(1), tot(H[..., lr_field], first), nan)
     return out

@@ -77,28 +77,17 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from stabstudy.instruments.telemetry import stats
-from stabstudy.instruments.telemetry.adam import adam_stats, as_float
+from stabstudy.instruments.telemetry.adam import adam_stats
 from stabstudy.instruments.telemetry.channels import (
-    D_G2,
-    H_BC1,
-    H_BC2,
-    H_KIND,
-    H_LR,
-    H_LRP,
-    H_N,
-    H_ORDER,
-    H_PREV,
-    H_SLOT,
-    K_ADAM,
-    K_FULL,
-    K_GRAD,
-    K_NOPARAMS,
     LAYER_PARTS,
     LONG_NAMES,
     NAN,
     ND,
     NH,
     OPT_CHANNELS,
+    DevField,
+    HostField,
+    Kind,
     MonitorCost,
     PreStepStats,
     canonical,
@@ -107,7 +96,7 @@ from stabstudy.instruments.telemetry.channels import (
     previous_g2,
 )
 from stabstudy.instruments.telemetry.sink import WriterSink
-from stabstudy.instruments.telemetry.stats import OptState
+from stabstudy.instruments.telemetry.state import OptState, as_float
 from stabstudy.instruments.telemetry.table import Block, HostCopies, LogStage, Table
 
 
@@ -185,9 +174,10 @@ class Monitor:
             self._handles.append(st.opt.register_step_post_hook(self._make_hook(st, pre=False)))
         self._step = -1  # index of the current row (-1 before the first update)
         self._stepped: set[int] = set()
-        self._host = Table((len(self._opts), NH))  # row -> optimizer -> host fields (H_*)
-        self._dev = Table((len(self._opts), ND))  # row -> optimizer -> device fields (D_*), as copied
+        self._host = Table((len(self._opts), NH))  # row -> optimizer -> host fields (HostField)
+        self._dev = Table((len(self._opts), ND))  # row -> optimizer -> device fields (DevField), as copied
         self._logged: dict[str, Table] = {}  # logged scalars by name, in order of appearance
+        self._arrived = [0] * len(self._opts)  # per optimizer: its device rows before this one are on the host
         self._copies = HostCopies()
         self._staged = LogStage(self._copies, self._put_logged, capacity=4 * sync_every)
         self._sink = WriterSink(writer) if writer is not None else None
@@ -275,7 +265,7 @@ class Monitor:
         out: dict[str, float] = {}
         if s < self._host.n:
             H = self._host.a[s:s + 1]
-            if not np.isnan(H[0, :, H_KIND]).all():  # some optimizer stepped in this row
+            if not np.isnan(H[0, :, HostField.KIND]).all():  # some optimizer stepped in this row
                 D = self._dev.rows(self._host.n)[0]
                 out = {k: float(v[0]) for k, v in self._derive(H, D[s:s + 1], previous_g2(H, D)).items()}
         for k, col in self._logged.items():
@@ -291,15 +281,15 @@ class Monitor:
         if not 0 <= s < self._host.n:
             return NAN
         g2, seen = 0.0, False
-        for st, (kind, slot) in zip(self._opts, self._host.a[s, :, [H_KIND, H_SLOT]].T.tolist(), strict=True):
-            if not kind >= K_GRAD:  # also NaN: the optimizer did not step in this row
+        for st, (kind, slot) in zip(self._opts, self._host.a[s, :, [HostField.KIND, HostField.SLOT]].T.tolist(), strict=True):
+            if not kind >= Kind.GRAD:  # also NaN: the optimizer did not step in this row
                 continue
             seen, blk = True, st.block
             if blk is not None and blk.base <= s < blk.base + blk.used:
-                g2 += float(blk.t[s - blk.base, 1 if slot == 1.0 else D_G2].item())
+                g2 += float(blk.t[s - blk.base, DevField.GPG if slot == 1.0 else DevField.G2].item())
             else:
                 self._copies.drain(wait=True)
-                g2 += float(self._dev.rows(s + 1)[0][s, st.index, D_G2])
+                g2 += float(self._dev.rows(s + 1)[0][s, st.index, DevField.G2])
         return math.sqrt(g2) if seen else NAN
 
     def channels(self) -> list[str]:
@@ -308,6 +298,29 @@ class Monitor:
         if self._multi:
             names += [f"{ch}_{st.name}" for st in self._opts for ch in OPT_CHANNELS]
         return names + [k for k in self._logged if k not in names]
+
+    def rows_on_host(self, start: int, end: int) -> tuple[int, dict[str, np.ndarray]]:
+        """The channels (computed and logged) of rows ``start`` up to ``end`` (exclusive) that are
+        complete on the host, without copying anything or waiting: it stops before the first row
+        in which some optimizer stepped whose device fields have not arrived yet (they arrive a
+        block of ``sync_every`` rows at a time). Returns (the row it stopped at, channel -> array
+        over rows ``start`` .. that row); what a streaming writer
+        (:class:`~stabstudy.instruments.telemetry.sink.WriterSink`) reads."""
+        end = min(end, self._host.n)
+        if end <= start:
+            return start, {}
+        kind = self._host.a[start:end, :, HostField.KIND]
+        ok = (np.isnan(kind) | (np.arange(start, end)[:, None] < np.array(self._arrived)[None, :])).all(axis=1)
+        if not ok.all():
+            end = start + int(np.argmin(ok))
+        if end <= start:
+            return start, {}
+        H, D = self._host.a[start:end], self._dev.rows(end)[0]
+        out = self._derive(H, D[start:end], previous_g2(H, D))
+        for name, col in self._logged.items():
+            vals, m = col.rows(end)
+            out[name] = np.where(m[start:end], vals[start:end], out.get(name, NAN))
+        return end, out
 
     def to_dataset(self):
         """All rows as an ``xarray.Dataset`` with dimension ``step`` (float64 channels).
@@ -322,7 +335,7 @@ class Monitor:
         n = max([self._host.n, *(c.n for c in self._logged.values())], default=0)
         H, D = self._host.rows(n)[0], self._dev.rows(n)[0]
         logged = {k: c.rows(n) for k, c in self._logged.items()}
-        present = ~np.isnan(H[..., H_KIND]).all(axis=1)  # some optimizer stepped
+        present = ~np.isnan(H[..., HostField.KIND]).all(axis=1)  # some optimizer stepped
         for _, m in logged.values():
             present |= m
         steps = np.flatnonzero(present).astype(np.int64)
@@ -355,7 +368,7 @@ class Monitor:
         the parameters), or None when it was not measured in this row (``every``)."""
         where: dict[int, torch.Tensor] = {}
         for st in self._opts:
-            if st.buf is None or st.last_measured != self._step:
+            if st.flat is None or st.last_measured != self._step:
                 continue
             for p, neg_u in zip(st.params_at_measure, stats.update_views(st), strict=True):
                 where[id(p)] = neg_u
@@ -403,8 +416,7 @@ class Monitor:
             D = a[:, :ND].astype(np.float64)
             canonical(D, self._host.a[base:base + n, i, :])
             self._dev.a[base:base + n, i, :] = D
-            if self._sink is not None:
-                self._sink.applied_to(i, base + n)
+            self._arrived[i] = max(self._arrived[i], base + n)
             for j, part in enumerate(LAYER_PARTS if L else ()):
                 tab = self._layers[part]
                 tab.grow(base + n - 1)
@@ -417,7 +429,7 @@ class Monitor:
         """The device-field views of row ``s`` in ``st``'s block, starting a new block (and the
         copy of the full one) when the row is past it."""
         blk = st.block
-        need = st.cols_end if self.per_layer else 0
+        need = st.layers.end if self.per_layer else 0
         if blk is None or not blk.covers(s, need) or blk.t.device != device:
             if blk is not None and blk.dirty:
                 self._send(blk, st.index)
@@ -438,7 +450,7 @@ class Monitor:
     def _derive(self, H: np.ndarray, D: np.ndarray, gp2: np.ndarray) -> dict[str, np.ndarray]:
         """Channels of rows (H, D, gp2: rows x optimizers x ...): global ones, with the
         primary's lr read by the first optimizer that stepped in the row, and per optimizer."""
-        out = derive(H, D, gp2, lr_field=H_LRP)
+        out = derive(H, D, gp2, lr_field=HostField.LRP)
         if self._multi:
             for i, st in enumerate(self._opts):
                 for k, v in derive(H[:, i:i + 1], D[:, i:i + 1], gp2[:, i:i + 1]).items():
@@ -479,7 +491,8 @@ class Monitor:
         """The layer columns of the stepped parameters (a range when consecutive, else an index
         tensor on their device); parameters the optimizer gained after the Monitor attached
         (``add_param_group``, e.g. a layer unfrozen during fine-tuning) get new layers, NaN before."""
-        if ids == st.cols_key:
+        lc = st.layers
+        if ids == lc.key:
             return
         for p in params:
             if id(p) not in self._layer_index:
@@ -489,12 +502,12 @@ class Monitor:
             t.widen(len(self._layer_names))
         cols = [self._layer_index[id(p)] for p in params]
         if cols == list(range(cols[0], cols[0] + len(cols))):
-            st.cols = (cols[0], cols[0] + len(cols))
+            lc.cols = (cols[0], cols[0] + len(cols))
         else:
-            st.cols = torch.tensor(cols, dtype=torch.long)
+            lc.cols = torch.tensor(cols, dtype=torch.long)
             if params[0].device.type != "cpu":
-                st.cols = st.cols.to(params[0].device, non_blocking=True)
-        st.cols_key, st.cols_end = ids, max(cols) + 1
+                lc.cols = lc.cols.to(params[0].device, non_blocking=True)
+        lc.key, lc.end = ids, max(cols) + 1
 
     def _make_hook(self, st: OptState, pre: bool):
         clock = time.perf_counter
@@ -516,9 +529,9 @@ class Monitor:
                     self._pre(st)
                     read = True
             else:
-                if st.pending is not None and not st.pending[0]:  # the step never called its closure
+                if st.cur.pending is not None and not st.cur.pending[0]:  # the step never called its closure
                     self._skip(st)
-                st.pending = None
+                st.cur.pending = None
                 self._post(st)
             t1 = clock()
             cost[0] += t1 - t0
@@ -532,9 +545,9 @@ class Monitor:
         return hook
 
     def _run_pre_step_hooks(self, st: OptState) -> None:
-        if st.g2 is None:  # no gradient read (the optimizer steps no parameter)
+        if st.cur.g2 is None:  # no gradient read (the optimizer steps no parameter)
             return
-        seen = PreStepStats(name=st.name, step=self._step, grad_norm=st.g2.sqrt())
+        seen = PreStepStats(name=st.name, step=self._step, grad_norm=st.cur.g2.sqrt())
         for fn in list(self._pre_step_hooks.values()):
             fn(st.opt, seen)
 
@@ -542,7 +555,7 @@ class Monitor:
         """An update the Monitor does not see: counted (``step`` stays the update index), nothing read."""
         self._open_row_if_needed(st)
         st.n += 1  # the next step's previous gradient is unknown
-        st.params, st.measuring = [], False
+        st.cur.params, st.cur.measuring = [], False
         if st.adam is not None:  # unseen steps may skip parameters: recheck step counts
             st.adam.verified = False
 
@@ -550,7 +563,7 @@ class Monitor:
         """``opt.step(closure)``: the pre-hook runs before the closure computes the gradient, so the
         closure is wrapped to run the gradient pass right after its first call (before the step
         changes the parameters; LBFGS calls it again later, those calls pass through)."""
-        fired = st.pending = [False]
+        fired = st.cur.pending = [False]
         cost, clock = self._cost, time.perf_counter
 
         def wrapped():
@@ -579,24 +592,26 @@ class Monitor:
         every step records (order in the row, lr, primary lr) written."""
         rec = self._host.flat(s)
         b = (s * len(self._opts) + st.index) * NH
-        rec[b + H_ORDER], rec[b + H_LR], rec[b + H_LRP] = st.order, st.lr, st.lr_primary
+        cur = st.cur
+        rec[b + HostField.ORDER], rec[b + HostField.LR], rec[b + HostField.LRP] = cur.order, cur.lr, cur.lr_primary
         return rec, b
 
     def _pre(self, st: OptState) -> None:
         self._open_row_if_needed(st)
-        st.order = len(self._stepped) - 1  # 0 for the first optimizer stepping in this row
+        cur, prev = st.cur, st.prev
+        cur.order = len(self._stepped) - 1  # 0 for the first optimizer stepping in this row
         s = self._step
         st.n += 1
         k = st.n  # this optimizer's own step count: `every` and xgrad follow it, not the row
         # (TD3's delayed actor steps on every other row: by rows it would never be measured at
         # an even `every`, and its previous gradient would never be one row back)
         params = st.stepped_params()
-        st.params, st.measuring, st.g2 = params, False, None
-        st.lr = as_float(st.opt.param_groups[0]["lr"])
-        st.lr_primary = st.lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
+        cur.params, cur.measuring, cur.g2 = params, False, None
+        cur.lr = as_float(st.opt.param_groups[0]["lr"])
+        cur.lr_primary = cur.lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
         rec, b = self._row_fields(st, s)
         if not params:
-            rec[b + H_KIND] = K_NOPARAMS
+            rec[b + HostField.KIND] = Kind.NOPARAMS
             return
         ids = tuple(map(id, params))
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
@@ -605,36 +620,36 @@ class Monitor:
         stats.check_special(st, params, grads, ids)
         if self.per_layer:
             self._layer_cols(st, params, ids)
-        st.inv = stats.grad_scale(st.opt)
+        cur.inv = stats.grad_scale(st.opt)
         dv = self._block_row(st, s, params[0].device)
-        st.g2 = dv[D_G2]
-        rec[b + H_KIND] = K_GRAD
+        cur.g2 = dv[DevField.G2]
+        rec[b + HostField.KIND] = Kind.GRAD
         lg = st.block.layer(s, 0) if self.per_layer else None
         with self._no_grad:  # hooks run in the caller's grad mode; copying a parameter must not be recorded
             if st.special:
-                stats.special_g2(grads, dv[D_G2])
-                if st.inv is not None:
-                    dv[D_G2].mul_(st.inv * st.inv)
+                stats.special_g2(grads, dv[DevField.G2])
+                if cur.inv is not None:
+                    dv[DevField.G2].mul_(cur.inv * cur.inv)
                 return
             measure = k % self.every == 0
             st.prepare(params, ids)
             if not measure:
                 stats.grad_only(st, grads, dv, lg)
                 if (k + 1) % self.every == 0:  # keep it for the next step's xgrad
-                    st.prev_step, st.prev_row, st.prev_inv = k, s, st.inv
-                    st.slot = 1 - st.slot
+                    prev.keep(k, s, cur.inv)
                 return
-            linked = st.prev_step == k - 1
+            linked = prev.step == k - 1
             stats.before_update(st, params, grads, dv, st.block.pairs(s)[0], linked, self.per_layer)
-            rec[b + H_SLOT] = st.slot
-            st.g2 = dv[st.slot]
+            rec[b + HostField.SLOT] = prev.slot
+            cur.g2 = dv[prev.slot]
             if linked:
-                rec[b + H_PREV] = st.prev_row
-            st.measuring = True
+                rec[b + HostField.PREV] = prev.row
+            cur.measuring = True
 
     def _post(self, st: OptState) -> None:
-        params, st.params = st.params, []
-        if not st.measuring:  # the pre-hook recorded the row
+        cur = st.cur
+        params, cur.params = cur.params, []
+        if not cur.measuring:  # the pre-hook recorded the row
             return
         s = self._step
         rec, b = self._host.flat(s), (s * len(self._opts) + st.index) * NH
@@ -644,11 +659,10 @@ class Monitor:
         with self._no_grad:
             stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
             adam = adam_stats(st, params, dv)
-        rec[b + H_KIND] = K_FULL
+        rec[b + HostField.KIND] = Kind.FULL
         if adam is not None:
-            rec[b + H_KIND] = K_ADAM
-            rec[b + H_BC1], rec[b + H_BC2], rec[b + H_N] = adam[0], adam[1], float(st.N)
-        st.prev_step, st.prev_row, st.prev_inv = st.n, s, st.inv
+            rec[b + HostField.KIND] = Kind.ADAM
+            rec[b + HostField.BC1], rec[b + HostField.BC2], rec[b + HostField.N] = adam[0], adam[1], float(st.flat.N)
+        st.prev.keep(st.n, s, cur.inv)
         st.last_measured = s
         st.params_at_measure = params
-        st.slot = 1 - st.slot

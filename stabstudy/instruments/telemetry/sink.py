@@ -18,7 +18,6 @@ get ``add_scalar`` calls in the training thread.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -26,8 +25,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
-
-from stabstudy.instruments.telemetry.channels import H_KIND, previous_g2
 
 
 class ScalarWriter(Protocol):
@@ -54,40 +51,19 @@ class WriterSink:
         self.writer = writer
         self.prefix = prefix
         self.written = 0  # rows before this one were written
-        self.applied: list[int] = []  # per optimizer: its rows before this one are on the host
         self._tags: dict[str, str] = {}
         self._row_events = _row_event_writer(writer)
         self._background = _Background() if self._row_events is not None else None
 
-    def applied_to(self, i: int, end: int) -> None:
-        """Optimizer ``i``'s device rows before ``end`` reached the host tables."""
-        while len(self.applied) <= i:
-            self.applied.append(0)
-        self.applied[i] = max(self.applied[i], end)
-
     def flush(self, mon: Any, end: int) -> None:
         """Write the rows from :attr:`written` up to ``end`` (exclusive) that are complete on the
-        host of Monitor ``mon``: it stops at the first row some optimizer stepped in whose
-        device fields have not arrived yet."""
-        a = self.written
-        if end <= a:
+        host of Monitor ``mon`` (:meth:`~stabstudy.instruments.telemetry.Monitor.rows_on_host`)."""
+        if end <= self.written:
             return
-        H = mon._host.a
-        end = min(end, mon._host.n)
-        kind = H[a:end, :, H_KIND]
-        applied = np.array([self.applied[i] if i < len(self.applied) else 0 for i in range(kind.shape[1])])
-        ok = (np.isnan(kind) | (np.arange(a, end)[:, None] < applied[None, :])).all(axis=1)
-        if not ok.all():
-            end = a + int(np.argmin(ok))
-        if end <= a:
-            return
-        D = mon._dev.rows(end)[0]
-        derived = mon._derive(H[a:end], D[a:end], previous_g2(H[a:end], D))
-        for name, col in mon._logged.items():
-            vals, m = col.rows(end)
-            derived[name] = np.where(m[a:end], vals[a:end], derived.get(name, math.nan))
-        self._write(derived, a)
-        self.written = end
+        stop, channels = mon.rows_on_host(self.written, end)
+        if stop > self.written:
+            self._write(channels, self.written)
+            self.written = stop
 
     def _write(self, channels: dict[str, np.ndarray], first: int) -> None:
         tags = self._tags

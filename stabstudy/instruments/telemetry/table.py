@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stabstudy.instruments.telemetry.channels import D_NUG, LAYER_PARTS, ND
+from stabstudy.instruments.telemetry.channels import LAYER_PARTS, ND, DevField
 
 _NAN = float("nan")
 
@@ -143,11 +143,11 @@ class Block:
         return v
 
     def pairs(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row ``row``'s first two fields and (D_NUG, D_U2), as out= targets of matrix-vector products."""
+        """Row ``row``'s first two fields and (NUG, U2), as out= targets of matrix-vector products."""
         r = row - self.base
         p = self._pairs[r]
         if p is None:
-            p = self._pairs[r] = (self.t[r, 0:2], self.t[r, D_NUG:D_NUG + 2])
+            p = self._pairs[r] = (self.t[r, DevField.G2:DevField.GPG + 1], self.t[r, DevField.NUG:DevField.U2 + 1])
         return p
 
     def layer(self, row: int, part: int) -> torch.Tensor:
