@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from docblocks import block
 
 from stabstudy import online
 from stabstudy.analysis.warning.metastate import replay
@@ -147,3 +148,24 @@ def test_import_needs_numpy_only():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root, env=env)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def _run_doc(marker: str) -> dict:
+    ns: dict = {}
+    exec(compile(block("docs/online.md", marker), f"docs/online.md:{marker}", "exec"), ns)
+    return ns
+
+
+def test_docs_detector_example_alarms_at_the_spike_only():
+    assert _run_doc("alarms = [")["alarms"] == [150]
+
+
+def test_docs_controller_example_skips_the_outlier_step_only():
+    ctrl = _run_doc("Controller(dets")["ctrl"]
+    assert ctrl.records()["intervened"].nonzero()[0].tolist() == [100]
+
+
+def test_docs_meta_state_example_gives_a_coordination_and_an_effective_dimension():
+    row = _run_doc("MetaState([")["row"]
+    assert 1 / 3 <= row.coordination <= 1 and 1 <= row.eff_dim <= 3
+    assert np.isnan(row.t2)  # no PCA given: no T^2
