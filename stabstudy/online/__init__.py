@@ -7,7 +7,7 @@ each optimizer step, and the early-warning analysis replays the same classes ove
 * :mod:`.robust`: :class:`RobustZ`, the one trailing median/MAD z-score, its row-wise
   :class:`RobustScaler` and the batch :func:`rolling_robust_z` / :func:`rolling_median_mad`;
 * :mod:`.detectors`: :class:`WindowZ` (OLMo-core), :class:`ZClipZ` (ZClip), :class:`Level`,
-  :class:`KendallEWS` (critical slowing down);
+  :class:`NonFinite`, :class:`KendallEWS` (critical slowing down);
 * :mod:`.drift`: :class:`ADWINGrid`, :class:`PageHinkley` (river, imported when built);
 * :mod:`.features`: the detector inputs and their leakage guard;
 * :mod:`.metastate`: :class:`MetaState`, the joint state of many channels (T^2, Q, coordination).
@@ -20,6 +20,7 @@ from stabstudy.online.base import Detector
 from stabstudy.online.detectors import (
            KendallEWS,
            Level,
+           NonFinite,
            WindowZ,
            ZClipZ,
            ews_indicator,
@@ -36,5 +37,5 @@ from stabstudy.online.robust import (
 )
 
 __all__ = ["MAD_SCALE", "ADWINGrid", "Detector", "KendallEWS", "Level", "MetaConfig", "MetaRow", "MetaState",
-           "PCAModel", "PageHinkley", "RobustScaler", "RobustZ", "WindowZ", "ZClipZ", "coordination",
+           "NonFinite", "PCAModel", "PageHinkley", "RobustScaler", "RobustZ", "WindowZ", "ZClipZ", "coordination",
            "ews_indicator", "features", "kendall_tau", "rolling_median_mad", "rolling_robust_z", "t2_q"]

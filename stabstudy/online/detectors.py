@@ -11,6 +11,7 @@ default; an evaluation may replace it by a threshold calibrated to a common fals
   back with ZClip's own clipped value (Kumar et al. 2025, package ``zclip``);
 * :class:`~stabstudy.online.robust.RobustZ` (:mod:`.robust`): z against the trailing median and MAD;
 * :class:`Level`: the value itself (sharpness against 2/lr; a meta-state statistic);
+* :class:`NonFinite`: 1 for an inf/NaN value, else 0;
 * :class:`KendallEWS`: critical slowing down: Kendall's tau, over the last ``span`` steps, of the
   rolling variance or lag-1 autocorrelation of causally detrended values (Scheffer et al. 2009);
 * river's drift detectors on robust z-scores are in :mod:`.drift`.
@@ -185,3 +186,14 @@ class KendallEWS(Detector):
         if len(self._ind) < self.span:
             return NAN
         return kendall_tau(np.fromiter(self._ind, dtype=float))
+
+
+class NonFinite(Detector):
+    """Score 1 for a non-finite value, 0 otherwise; alarm above 0.5 (skip on inf/NaN gradients, as
+    GradScaler does with fp16). Stateless."""
+
+    def __init__(self, name: str = "nonfinite"):
+        self.name, self.threshold = name, 0.5
+
+    def update(self, value: float) -> float:
+        return 0.0 if math.isfinite(float(value)) else 1.0

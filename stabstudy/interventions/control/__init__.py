@@ -20,7 +20,8 @@ from stabstudy.interventions.control.comparators import (
     build,
     from_hparams,
 )
-from stabstudy.interventions.control.controller import Controller, NonFinite, Policy
+from stabstudy.interventions.control.controller import Controller, Policy
+from stabstudy.online import NonFinite  # a detector; importable here, where the controllers are
 
 __all__ = ["ACTION_CODES", "CONTROLLERS", "Action", "AdamSecondMoment", "AdaptiveClip", "Controller", "LrBackoff",
            "NonFinite", "OlmoSkip", "Policy", "RaiseNoise", "Rollback", "Skip", "StepContext", "ZClipController",

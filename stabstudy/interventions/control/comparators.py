@@ -29,8 +29,8 @@ from stabstudy.interventions.control.actions import (
     Rollback,
     Skip,
 )
-from stabstudy.interventions.control.controller import Controller, NonFinite, StepHooks, as_records
-from stabstudy.online import Level, RobustZ
+from stabstudy.interventions.control.controller import Controller, StepHooks, as_records
+from stabstudy.online import Level, NonFinite, RobustZ
 
 #: Names a learner accepts (``hparams.controller``), with what each does.
 CONTROLLERS: dict[str, str] = {

@@ -38,16 +38,6 @@ from stabstudy.online import Detector
 SIGNALS = ("grad_norm", "loss")
 
 
-class NonFinite(Detector):
-    """Score 1 for a non-finite value, 0 otherwise; alarm above 0.5 (skip on inf/NaN gradients)."""
-
-    def __init__(self, name: str = "nonfinite"):
-        self.name, self.threshold = name, 0.5
-
-    def update(self, value: float) -> float:
-        return 0.0 if math.isfinite(float(value)) else 1.0
-
-
 class Policy:
     """Maps an alarm to an action: ``action`` on every alarm step; with ``escalate``, that action
     instead once ``after`` consecutive steps alarmed (e.g. skip, then roll back)."""
