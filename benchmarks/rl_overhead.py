@@ -83,8 +83,8 @@ def checkpoint_cost(spec: RunSpec, buffer: int, repeats: int) -> tuple[float, fl
             size = len(blob)
             t0 = time.perf_counter()
             data, _ = forks.read_checkpoint(spec.spec_hash, root)
-            restored, _ = forks.restore(data, rl.ALGO_CLASSES[spec.learner], rl.make_env(spec.task, seed=spec.seed),
-                                        buffer)
+            restored = rl.build_model(spec)
+            forks.restore(data, restored)
             loads.append(time.perf_counter() - t0)
             restored.env.close()
     model.env.close()

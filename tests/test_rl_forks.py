@@ -1,8 +1,13 @@
-"""Forks of stored RL prefixes: a fork continues exactly like the uninterrupted run, checkpoints are
-verified before they are unpickled, and they reach the workers of an existing Dask scheduler."""
+"""Forks of stored RL prefixes: a fork continues exactly like the uninterrupted run, checkpoints hold
+plain data only (loading cannot run code) and are verified before they are read, and they reach the
+workers of an existing Dask scheduler."""
 
 import hashlib
+import io
 import json
+import pickle
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,9 +43,9 @@ def _data(tmp_path, monkeypatch):
     monkeypatch.delenv("STABSTUDY_SCHEDULER", raising=False)
 
 
-def specs(algo, perts=(), **hp):
+def specs(algo, perts=(), task="Pendulum-v1", **hp):
     """(uninterrupted run, its fork at P) of ``P + K`` env steps."""
-    full = RunSpec("rl", algo, "Pendulum-v1", P + K, 0, hparams={**TINY[algo], **hp}, perturbations=perts,
+    full = RunSpec("rl", algo, task, P + K, 0, hparams={**TINY[algo], **hp}, perturbations=perts,
                    eval_every=64)
     return full, full.replace(hparams={"prefix_steps": P})
 
@@ -77,7 +82,10 @@ def test_fork_continues_exactly_like_the_uninterrupted_run(algo, hp):
     built from it) may differ in the last float32 bit in a few rows: a float32 reduction of the
     measurement, not of training (the actor's updates and Adam state are equal bit for bit). The
     fork's first row has no previous gradient for ``xgrad``; it is left out of the comparison."""
-    full, fork = specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), **hp)
+    _assert_fork_equals_full(algo, *specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), **hp))
+
+
+def _assert_fork_equals_full(algo, full, fork):
     rl.run(forks.prefix_key(fork))
     a, b = rl.run(full), rl.run(fork)
     assert b.attrs["fork_role"] == "fork" and b.attrs["status"] == a.attrs["status"] == "ok"
@@ -134,7 +142,9 @@ def test_checkpoint_is_stored_atomically_with_its_sha256_and_reused(tmp_path):
     key = forks.prefix_key(fork)
     ds = rl.run(key)
     path, side = forks.checkpoint_path(key), forks.sidecar_path(key)
-    assert path.parent == tmp_path / "data" / "checkpoints" and path.name == f"{key.spec_hash}.zip"
+    assert path.parent == tmp_path / "data" / "checkpoints" and path.name == f"{key.spec_hash}.v{forks.FORMAT}.zip"
+    with zipfile.ZipFile(path) as z:  # plain data and tensors only
+        assert set(z.namelist()) == {"state.json", "arrays.npz", "tensors.pt", "buffer.npz"}
     meta = json.loads(side.read_text())
     assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() == ds.attrs["checkpoint_sha256"]
     assert meta["spec_hash"] == key.spec_hash and meta["env_steps"] == P
@@ -150,22 +160,97 @@ def test_checkpoint_is_stored_atomically_with_its_sha256_and_reused(tmp_path):
     assert "checkpoint" in rl.stale(key, {"status": "ok", "monitor_own_steps": 1})
 
 
-def test_a_tampered_checkpoint_is_refused_before_anything_is_unpickled(tmp_path, monkeypatch):
+def test_a_damaged_checkpoint_is_refused_before_it_is_read_and_the_error_says_what_to_run(tmp_path):
     _, fork = specs("td3")
     key = forks.prefix_key(fork)
     rl.run(key)
-    path = forks.checkpoint_path(key)
+    path, side = forks.checkpoint_path(key), forks.sidecar_path(key)
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     path.write_bytes(bytes(blob))
-    unpickled = []
-    monkeypatch.setattr(forks.pickle, "loads", lambda *a, **k: unpickled.append(1))
-    with pytest.raises(forks.CheckpointError, match=f"{path}.*SHA-256.*refusing to load"):
+    with pytest.raises(forks.CheckpointError, match=f"{path}.*SHA-256.*refusing to load.*rm {path} {side}"):
         rl.run(fork)
-    assert not unpickled
-    forks.sidecar_path(key).unlink()  # a zip without the record of its hash is not loaded either
+    side.unlink()  # a zip without the record of its hash is not loaded either
     with pytest.raises(FileNotFoundError, match="no sidecar"):
         forks.read_checkpoint(key.spec_hash)
+
+
+class _Payload:
+    """Unpickled, it creates the file ``marker``: code run by loading."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _planted(member: str, marker: Path) -> bytes:
+    """A malicious file in place of checkpoint member ``member``."""
+    buf = io.BytesIO()
+    if member == "tensors.pt":  # a torch file whose pickle runs code
+        torch.save({"policy": _Payload(marker)}, buf)
+    elif member.endswith(".npz"):  # an object array, pickled inside the npz
+        np.savez(buf, pos=np.array([_Payload(marker)], dtype=object))
+    else:
+        return pickle.dumps(_Payload(marker))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("member", ["tensors.pt", "arrays.npz", "buffer.npz", "state.json", "whole file"])
+def test_a_malicious_pickle_with_a_matching_sidecar_is_not_executed(tmp_path, member):
+    """The SHA-256 of the sidecar catches accidents, not tampering: here the sidecar is recomputed
+    for the planted file, so the hash matches. Loading still runs no code (every reader refuses
+    pickled objects) and the load is refused with the command that trains the prefix again."""
+    _, fork = specs("sac")
+    key = forks.prefix_key(fork)
+    rl.run(key)
+    path, side = forks.checkpoint_path(key), forks.sidecar_path(key)
+    marker = tmp_path / f"code-ran-{member.replace(' ', '-')}"
+    pickle.loads(pickle.dumps(_Payload(marker)))  # the payload does run code when unpickled
+    assert marker.exists()
+    marker.unlink()
+    if member == "whole file":
+        blob = _planted(member, marker)
+    else:
+        with zipfile.ZipFile(path) as z:
+            members = {n: z.read(n) for n in z.namelist()}
+        members[member] = _planted(member, marker)
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as z:
+            for n, b in members.items():
+                z.writestr(n, b)
+        blob = out.getvalue()
+    meta = forks.read_sidecar(key.spec_hash)
+    forks.write_checkpoint(key.spec_hash, blob, {k: v for k, v in meta.items() if k not in ("sha256", "bytes")})
+    assert forks.read_checkpoint(key.spec_hash)[1]["sha256"] == hashlib.sha256(blob).hexdigest()  # the hash matches
+    with pytest.raises(forks.CheckpointError, match=f"(?s){path}.*refusing to load it.*rm {path} {side}"):
+        rl.run(fork)
+    assert not marker.exists()
+    # the error's advice works: delete both files, and the fork trains its prefix again
+    path.unlink()
+    side.unlink()
+    with pytest.warns(RuntimeWarning, match="training it here"):
+        assert rl.run(fork).attrs["status"] == "ok"
+    assert not marker.exists()
+
+
+def test_a_checkpoint_of_the_old_format_is_trained_again_not_misread():
+    """Format 1 (SB3's model zip and a pickle) lived at ``<hash>.zip``: this version never reads it."""
+    _, fork = specs("td3")
+    key = forks.prefix_key(fork)
+    rl.run(key)
+    root = forks.checkpoints_dir()
+    old, old_side = root / f"{key.spec_hash}.zip", root / f"{key.spec_hash}.json"
+    forks.checkpoint_path(key).rename(old)
+    meta = json.loads(forks.sidecar_path(key).read_text())
+    old_side.write_text(json.dumps({**meta, "format": 1}))
+    forks.sidecar_path(key).unlink()
+    assert not forks.has_checkpoint(key)
+    assert "checkpoint" in rl.stale(key, {"status": "ok", "monitor_own_steps": 1})
+    with pytest.warns(RuntimeWarning, match="training it here"):
+        assert rl.run(fork).attrs["status"] == "ok"
+    assert forks.has_checkpoint(key) and old.exists()
 
 
 def test_a_fork_without_checkpoint_trains_its_prefix_and_noise_applies_after_the_fork():
@@ -218,3 +303,35 @@ def test_forks_on_an_existing_dask_scheduler_without_a_shared_folder(tmp_path, m
     local = rl.run(grid[1])
     np.testing.assert_array_equal(remote.perf.values, local.perf.values)
     np.testing.assert_array_equal(remote.loss.values, local.loss.values)
+
+
+def test_plain_state_round_trips_state_and_refuses_what_it_cannot_store():
+    from collections import deque
+
+    from stabstudy.learners.rl.plainstate import Plain, PlainStateError
+
+    class Thing:
+        pass
+
+    live, fresh = Thing(), Thing()
+    for t in (live, fresh):
+        t.gen = np.random.default_rng(0)
+        t.cfg = len
+    live.gen.random(3)
+    live.__dict__.update(n=3, x=np.float32(0.25), big=2**100, nan=float("nan"), seq=deque([1.5, (2, "a")], maxlen=4),
+                         d={1: [np.arange(3)], "k": None}, t=torch.arange(4.0))
+    plain = Plain()
+    tree = json.loads(json.dumps(plain.encode_vars(vars(live), "thing")))
+    Plain(plain.arrays, plain.tensors).decode_into(fresh, tree)
+    assert fresh.gen.random() == live.gen.random() and fresh.cfg is len
+    assert fresh.n == 3 and type(fresh.x) is np.float32 and fresh.x == live.x and fresh.big == 2**100
+    assert fresh.nan != fresh.nan and fresh.seq == live.seq and fresh.seq.maxlen == 4
+    assert fresh.d.keys() == {1, "k"} and np.array_equal(fresh.d[1][0], live.d[1][0]) and torch.equal(fresh.t, live.t)
+    # an object of a kind it does not know is refused when written, never dropped silently
+    with pytest.raises(TypeError, match="thing.o: .*Thing.*without pickle"):
+        Plain().encode_vars({"o": Thing()}, "thing")
+    # the file names no class to build: an unknown bit generator or object class is refused
+    with pytest.raises(PlainStateError, match="unknown bit generator"):
+        Plain().decode({"__generator__": {"__dict__": [["bit_generator", "os.system"]], "ordered": False}})
+    with pytest.raises(PlainStateError, match="stored Popen"):
+        Plain().decode({"__object__": "Popen", "state": {}}, Thing())

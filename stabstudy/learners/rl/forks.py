@@ -15,19 +15,27 @@ The prefix of a fork is keyed by :func:`prefix_key`: the spec with its perturbat
 continuation-only hyperparameters (:data:`CONTINUATION_ONLY`) removed, ``steps = P``, and
 the recording cadence of a prefix (evaluation every ``P // 20`` env steps, no curvature),
 which does not change training. Its checkpoint is content-addressed by that key's hash:
-``<checkpoints_dir>/<hash>.zip`` with a sidecar ``<hash>.json`` recording the file's
-SHA-256 when it was written. Every fork of one (algorithm, seed, hyperparameters, P)
-shares it, whatever its perturbation.
+``<checkpoints_dir>/<hash>.v<FORMAT>.zip`` with a sidecar ``<hash>.v<FORMAT>.json`` recording the
+file's SHA-256 when it was written. Every fork of one (algorithm, seed, hyperparameters, P)
+shares it, whatever its perturbation. The format is in the name: a checkpoint of another
+format is never read (it is absent to this version, so its prefix is trained again).
 
-A checkpoint holds everything that decides the continuation: SB3's model file (policy and
-value nets, target nets, every optimizer's state, SAC's entropy coefficient, TD3's action
-noise, step and update counters, the last observation), the replay buffer's arrays
-(``numpy`` ``.npz``, no pickle), the observation normalisation statistics (``normalize_obs``),
-the global RNG states (Python, NumPy, torch), the action space's RNG, the training env's state (every wrapper's counters, the env's ``np_random``,
-MuJoCo's full integration state) and the recorder's counters. SB3's model file unpickles
-objects, so a checkpoint is loaded only after its bytes match the SHA-256 of the sidecar
-(:class:`CheckpointError` otherwise), and from the verified bytes in memory, never from a
-second read of the file.
+A checkpoint holds everything that decides the continuation, as plain data and tensors, never
+as pickles (:mod:`~stabstudy.learners.rl.plainstate`): the policy and value nets, target nets
+and every optimizer's state, SAC's entropy coefficient and its optimizer (``tensors.pt``, read
+with ``torch.load(weights_only=True)``); the model's counters, the last observation, TD3's
+action noise, the observation normalisation statistics (``normalize_obs``), the global RNG
+states (Python, NumPy, torch), the action space's RNG, the training env's state (every
+wrapper's counters, the env's ``np_random``, MuJoCo's full integration state) and the
+recorder's counters (``state.json`` and ``arrays.npz``, read with ``json`` and
+``numpy.load(allow_pickle=False)``); the replay buffer's arrays (``buffer.npz``). A fork is
+not loaded with SB3's ``load`` (whose model file unpickles objects): it is built afresh from
+its spec (:func:`stabstudy.learners.rl.learner.build_model`) and the stored state is put into
+it (:func:`restore`), so loading cannot run code, whatever the file holds. The SHA-256 of the
+sidecar guards against accidental damage (a truncated copy, a flipped bit): a checkpoint is
+loaded only after its bytes match it, from the verified bytes in memory, never from a second
+read of the file. A refused checkpoint raises :class:`CheckpointError` saying which files to
+delete (:func:`remedy`).
 
 Workers reach checkpoints through their own ``checkpoints_dir()`` (``$STABSTUDY_CHECKPOINTS``,
 else ``data/checkpoints``): on one machine it is the same folder for every worker; on a
@@ -44,8 +52,8 @@ import hashlib
 import io
 import json
 import os
-import pickle
 import random
+import shlex
 import uuid
 import zipfile
 from collections.abc import Iterable, Sequence
@@ -59,11 +67,14 @@ from stable_baselines3.common.noise import NormalActionNoise
 from stable_baselines3.common.vec_env import VecEnv
 
 from stabstudy import paths
+from stabstudy.learners.rl.plainstate import Plain
 from stabstudy.registry import NOISE_KNOB, ON_POLICY
 from stabstudy.spec import RunSpec
 
-#: Version of the checkpoint layout; a checkpoint of another version is refused.
-FORMAT = 1
+#: Version of the checkpoint layout, part of the file name (a checkpoint of another version is not
+#: read: its prefix is trained again). 1: SB3's model zip and a pickle of the rest (loaded only after
+#: its SHA-256 matched, but a file with a recomputed sidecar ran code); 2: plain data and tensors only.
+FORMAT = 2
 #: Hyperparameters that act only after the fork: not part of the prefix key (a controlled fork
 #: continues the same prefix as the uncontrolled one).
 CONTINUATION_ONLY = ("noise_after_fork", "controller", "controller_threshold", "controller_window",
@@ -72,6 +83,12 @@ CONTINUATION_ONLY = ("noise_after_fork", "controller", "controller_threshold", "
 BUFFER_ARRAYS = ("observations", "next_observations", "actions", "rewards", "dones", "timeouts")
 #: Wrapper attributes that are configuration of the new run, not state of the old one.
 _NOT_STATE = ("env", "schedule")
+#: Model attributes not stored with the model's: the env and the buffers (stored on their own or
+#: refilled before use), SB3's logger (configured by ``learn``), and the replay capacity, which is the
+#: continuation's own (``build_model``: ``min(buffer_size, spec.steps)``), not the prefix's.
+_MODEL_ELSEWHERE = ("env", "_vec_normalize_env", "replay_buffer", "rollout_buffer", "_logger", "buffer_size")
+#: Key of a MuJoCo env's integration state in its layer's stored state.
+_MUJOCO = "__mujoco_state__"
 
 Role = Literal["scratch", "prefix", "fork"]
 
@@ -147,7 +164,7 @@ def checkpoints_dir() -> Path:
 def checkpoint_path(key: RunSpec | str, root: Path | None = None) -> Path:
     """Where the checkpoint of prefix ``key`` (a spec or its hash) lives."""
     h = key.spec_hash if isinstance(key, RunSpec) else key
-    return (root or checkpoints_dir()) / f"{h}.zip"
+    return (root or checkpoints_dir()) / f"{h}.v{FORMAT}.zip"
 
 
 def sidecar_path(key: RunSpec | str, root: Path | None = None) -> Path:
@@ -190,10 +207,12 @@ def read_sidecar(h: str, root: Path | None = None) -> dict[str, Any]:
     try:
         meta = json.loads(side.read_text())
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint sidecar {side} is unreadable ({e}); refusing to load {path}") from e
+        raise CheckpointError(f"checkpoint sidecar {side} is unreadable ({e}); refusing to load {path}. "
+                              f"{remedy(h, root)}") from e
     if meta.get("spec_hash") != h or meta.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint sidecar {side} describes {meta.get('spec_hash')!r} format "
-                              f"{meta.get('format')!r}, not {h!r} format {FORMAT}; refusing to load {path}")
+                              f"{meta.get('format')!r}, not {h!r} format {FORMAT}; refusing to load {path}. "
+                              f"{remedy(h, root)}")
     return meta
 
 
@@ -201,17 +220,36 @@ def read_checkpoint(h: str, root: Path | None = None) -> tuple[bytes, dict[str, 
     """The verified bytes and sidecar of checkpoint ``h``.
 
     Raises ``FileNotFoundError`` when absent and :class:`CheckpointError`, naming the file,
-    when its SHA-256 differs from the one recorded when it was written: the file unpickles
-    objects, so a changed file is never loaded."""
+    when its SHA-256 differs from the one recorded when it was written (accidental damage: a
+    changed file is never loaded)."""
     meta = read_sidecar(h, root)
     path = checkpoint_path(h, root)
     blob = path.read_bytes()
     sha = hashlib.sha256(blob).hexdigest()
     if sha != meta.get("sha256"):
         raise CheckpointError(f"checkpoint {path} has SHA-256 {sha}, but {meta.get('sha256')} was recorded when it "
-                              "was written: refusing to load it (it unpickles objects). Delete it and its sidecar "
-                              "to train the prefix again.")
+                              f"was written (a damaged file): refusing to load it. {remedy(h, root)}")
     return blob, meta
+
+
+def remedy(h: str, root: Path | None = None) -> str:
+    """What to run about a refused checkpoint ``h``: delete it (a fork without a checkpoint trains
+    its prefix again)."""
+    files = " ".join(shlex.quote(str(p)) for p in (checkpoint_path(h, root), sidecar_path(h, root)))
+    return (f"Delete it and its sidecar to train the prefix again: rm {files} (then run the study again; "
+            "its forks train the prefix before they continue)")
+
+
+def load(h: str, model: BaseAlgorithm, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Put the verified checkpoint of prefix hash ``h`` into ``model`` (freshly built for the
+    continuation: :func:`restore`); returns ``(extra, sidecar)``. ``FileNotFoundError`` when absent,
+    :class:`CheckpointError` (with :func:`remedy`) when damaged or not a plain-data checkpoint."""
+    blob, meta = read_checkpoint(h, root)
+    try:
+        extra = restore(blob, model, f"checkpoint {checkpoint_path(h, root)}")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}: refusing to load it. {remedy(h, root)}") from e
+    return extra, meta
 
 
 def has_checkpoint(key: RunSpec | str, root: Path | None = None) -> bool:
@@ -223,17 +261,17 @@ def has_checkpoint(key: RunSpec | str, root: Path | None = None) -> bool:
         return False
 
 
-# -- state that SB3's model file does not hold -------------------------------------------
+# -- the training state as plain data ---------------------------------------------------------
 
 
 def _is_mujoco(v: Any) -> bool:
     return type(v).__module__.split(".")[0] == "mujoco" or "mujoco_rendering" in type(v).__module__
 
 
-def env_state(vec_env: VecEnv) -> list[tuple[str, dict[str, Any]]]:
-    """State of the single env of a ``DummyVecEnv``, layer by layer (outermost wrapper first):
-    every attribute but the inner env, the perturbation schedule and MuJoCo objects; for a
-    MuJoCo env its full integration state (``mj_getState``, ``mjSTATE_INTEGRATION``)."""
+def env_layers(vec_env: VecEnv) -> list[tuple[str, Any, dict[str, Any]]]:
+    """``(class name, layer, state)`` of each layer of the single env of a ``DummyVecEnv``, outermost
+    wrapper first: every attribute but the inner env, the perturbation schedule and MuJoCo objects;
+    for a MuJoCo env its full integration state (``mj_getState``, ``mjSTATE_INTEGRATION``)."""
     out = []
     env = vec_env.envs[0]
     while env is not None:
@@ -244,70 +282,88 @@ def env_state(vec_env: VecEnv) -> list[tuple[str, dict[str, Any]]]:
             spec = mujoco.mjtState.mjSTATE_INTEGRATION
             arr = np.empty(mujoco.mj_stateSize(env.model, spec))
             mujoco.mj_getState(env.model, env.data, arr, spec)
-            state["__mujoco_state__"] = arr
-        out.append((type(env).__name__, state))
+            state[_MUJOCO] = arr
+        out.append((type(env).__name__, env, state))
         env = getattr(env, "env", None)
     return out
 
 
-def set_env_state(vec_env: VecEnv, layers: list[tuple[str, dict[str, Any]]]) -> None:
-    """Put :func:`env_state` back into a fresh env of the same construction."""
-    env = vec_env.envs[0]
-    for name, state in layers:
-        if env is None or type(env).__name__ != name:
-            raise CheckpointError(f"the env of the checkpoint has layer {name}, this env "
-                                  f"{type(env).__name__ if env is not None else 'none'}")
-        state = dict(state)
-        mj = state.pop("__mujoco_state__", None)
-        vars(env).update(state)
+def _set_env_state(vec_env: VecEnv, layers: Any, plain: Plain) -> None:
+    """Put the stored layers back into a fresh env of the same construction (:func:`env_layers`)."""
+    fresh = env_layers(vec_env)
+    if not isinstance(layers, list) or [n for n, *_ in fresh] != [n for n, _ in layers]:
+        raise CheckpointError(f"the env of the checkpoint has layers {[n for n, _ in layers] if isinstance(layers, list) else layers!r}, "
+                              f"this env {[n for n, *_ in fresh]}")
+    for (name, env, _), (_, tree) in zip(fresh, layers, strict=True):
+        tree = dict(tree)
+        mj = tree.pop(_MUJOCO, None)
+        plain.decode_into(env, tree, name)
         if mj is not None:
             import mujoco
 
-            mujoco.mj_setState(env.model, env.data, mj, mujoco.mjtState.mjSTATE_INTEGRATION)
+            mujoco.mj_setState(env.model, env.data, plain.decode(mj, None, name), mujoco.mjtState.mjSTATE_INTEGRATION)
             mujoco.mj_forward(env.model, env.data)  # derived quantities (positions, contacts) of that state
-        env = getattr(env, "env", None)
 
 
 def rng_state(model: BaseAlgorithm) -> dict[str, Any]:
     """The global generators' states (Python, NumPy, torch) and the model's action-space generator."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    return {"python": random.getstate(), "numpy": np.random.get_state(legacy=False), "torch": torch.get_rng_state(),
             "action_space": model.action_space.np_random.bit_generator.state}
 
 
 def set_rng_state(model: BaseAlgorithm, st: dict[str, Any]) -> None:
-    """Undo the reseeding of SB3's ``load`` with the states :func:`rng_state` captured."""
+    """Undo the seeding of a freshly built model with the states :func:`rng_state` captured."""
     random.setstate(st["python"])
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
     model.action_space.np_random.bit_generator.state = st["action_space"]
 
 
-# -- snapshot and restore --------------------------------------------------------------------
+def _model_attrs(model: BaseAlgorithm) -> dict[str, Any]:
+    return {k: v for k, v in vars(model).items() if k not in _MODEL_ELSEWHERE}
 
 
 def snapshot(model: BaseAlgorithm, extra: dict[str, Any]) -> bytes:
-    """The checkpoint bytes of ``model`` now: a zip of ``model.zip`` (SB3), ``buffer.npz``
-    (off-policy), ``state.pkl`` (RNGs, env, ``extra``: the recorder's counters)."""
-    sb3 = io.BytesIO()
-    model.save(sb3)
+    """The checkpoint bytes of ``model`` now (see the module docstring): a zip of ``state.json`` (the
+    tree of :mod:`~stabstudy.learners.rl.plainstate`), ``arrays.npz``, ``tensors.pt`` (``torch.save`` of
+    tensors and state dicts) and, off-policy, ``buffer.npz``."""
+    plain = Plain()
+    vec = model.get_env()
     norm = model.get_vec_normalize_env()
-    # VecNormalize pickles its statistics without its env and without the running returns
-    state = {"rng": rng_state(model), "env": env_state(model.get_env()), "extra": extra, "vec_normalize": norm,
-             "vec_normalize_returns": norm.returns.copy() if norm is not None else None}
+    dummy = norm.venv if norm is not None else vec
+    tree = {
+        "format": FORMAT,
+        # the policy first: the actor/critic attributes are parts of it
+        "model": plain.encode_vars(dict(sorted(_model_attrs(model).items(), key=lambda kv: kv[0] != "policy")), "model"),
+        "vec_normalize": None if norm is None else plain.encode_vars(
+            {k: v for k, v in vars(norm).items() if k not in ("venv", "class_attributes")}, "vec_normalize"),
+        "vec_env": plain.encode_vars({k: v for k, v in vars(dummy).items() if k != "envs"}, "vec_env"),
+        "env": [[name, plain.encode_vars(state, f"env.{i}")] for i, (name, _, state) in enumerate(env_layers(dummy))],
+        "rng": plain.encode(rng_state(model), "rng"),
+        "extra": plain.encode(extra, "extra"),
+    }
     out = io.BytesIO()
-    # stored, not deflated: the model file is compressed already and the buffer compresses
-    # poorly (floats), so deflating would cost seconds to save a few percent
+    # stored, not deflated: the buffer compresses poorly (floats), so deflating would cost seconds to
+    # save a few percent
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
-        z.writestr("model.zip", sb3.getvalue())
+        z.writestr("state.json", json.dumps(tree))
+        z.writestr("arrays.npz", _npz(plain.arrays))
+        t = io.BytesIO()
+        torch.save(plain.tensors, t)
+        z.writestr("tensors.pt", t.getvalue())
         rb = getattr(model, "replay_buffer", None)
         if rb is not None:
             n = rb.buffer_size if rb.full else rb.pos
             arrays = {k: getattr(rb, k)[:n] for k in BUFFER_ARRAYS if isinstance(getattr(rb, k, None), np.ndarray)}
-            buf = io.BytesIO()
-            np.savez(buf, pos=np.int64(rb.pos), full=np.bool_(rb.full), capacity=np.int64(rb.buffer_size), **arrays)
-            z.writestr("buffer.npz", buf.getvalue())
-        z.writestr("state.pkl", pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
+            z.writestr("buffer.npz", _npz(dict(pos=np.int64(rb.pos), full=np.bool_(rb.full),
+                                               capacity=np.int64(rb.buffer_size), **arrays)))
     return out.getvalue()
+
+
+def _npz(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
 
 
 def _fill_buffer(model: BaseAlgorithm, data: Any) -> None:
@@ -330,28 +386,71 @@ def _fill_buffer(model: BaseAlgorithm, data: Any) -> None:
         rb.pos, rb.full = n % rb.buffer_size, n == rb.buffer_size
 
 
-def restore(blob: bytes, algo_cls: type[BaseAlgorithm], env: VecEnv,
-            buffer_size: int | None = None) -> tuple[BaseAlgorithm, dict[str, Any]]:
-    """The model and ``extra`` of checkpoint bytes (verified by the caller: :func:`read_checkpoint`)
-    on ``env`` (a fresh :func:`~stabstudy.learners.rl.envs.make_env` env, whose state it sets).
-    ``buffer_size``: replay capacity of the continuation (off-policy)."""
+def _read_plain(blob: bytes) -> tuple[dict[str, Any], Plain, dict[str, np.ndarray] | None]:
+    """The tree, arrays and tensors, and the replay buffer of checkpoint bytes, read without pickle:
+    ``json``, ``numpy.load(allow_pickle=False)``, ``torch.load(weights_only=True)``."""
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         names = set(z.namelist())
-        state = pickle.loads(z.read("state.pkl"))
-        norm = state.get("vec_normalize")
-        if norm is not None:
-            norm.set_venv(env)
-            norm.returns = state["vec_normalize_returns"]
-            env = norm
-        custom = {"buffer_size": int(buffer_size)} if buffer_size is not None and "buffer.npz" in names else None
-        model = algo_cls.load(io.BytesIO(z.read("model.zip")), env=env, device="cpu", force_reset=False,
-                              custom_objects=custom, print_system_info=False)
+        missing = sorted({"state.json", "arrays.npz", "tensors.pt"} - names)
+        if missing:
+            raise CheckpointError(f"it lacks {', '.join(missing)}")
+        tree = json.loads(z.read("state.json"))
+        if not isinstance(tree, dict) or tree.get("format") != FORMAT:
+            raise CheckpointError(f"its state is not of format {FORMAT}")
+        with np.load(io.BytesIO(z.read("arrays.npz")), allow_pickle=False) as npz:
+            arrays = {k: npz[k] for k in npz.files}
+        try:
+            tensors = torch.load(io.BytesIO(z.read("tensors.pt")), map_location="cpu", weights_only=True)
+        except Exception as e:  # torch's own message advises weights_only=False: not repeated here
+            raise CheckpointError("its tensors.pt is refused by torch.load(weights_only=True), which reads tensors "
+                                  f"and plain data only ({type(e).__name__})") from e
+        if not isinstance(tensors, dict):
+            raise CheckpointError("its tensor file does not hold a dict")
+        buffer = None
         if "buffer.npz" in names:
-            with np.load(io.BytesIO(z.read("buffer.npz")), allow_pickle=False) as data:
-                _fill_buffer(model, data)
-    set_env_state(model.get_env(), state["env"])
-    set_rng_state(model, state["rng"])
-    return model, state["extra"]
+            with np.load(io.BytesIO(z.read("buffer.npz")), allow_pickle=False) as npz:
+                buffer = {k: npz[k] for k in npz.files}
+    return tree, Plain(arrays, tensors), buffer
+
+
+class _Arrays(dict):
+    """A dict of arrays with ``.files``, as ``numpy.load`` gives (for :func:`_fill_buffer`)."""
+
+    @property
+    def files(self) -> list[str]:
+        return list(self)
+
+
+def restore(blob: bytes, model: BaseAlgorithm, source: str = "checkpoint") -> dict[str, Any]:
+    """Put checkpoint bytes (verified by the caller: :func:`read_checkpoint`) into ``model``, freshly
+    built for the continuation (:func:`stabstudy.learners.rl.learner.build_model` of the fork's
+    spec: its env, its replay capacity), and return ``extra``. Raises :class:`CheckpointError`,
+    naming ``source``, when the bytes are not a checkpoint of this format or do not fit the model;
+    nothing in them is executed (:mod:`~stabstudy.learners.rl.plainstate`)."""
+    try:
+        tree, plain, buffer = _read_plain(blob)
+        norm = model.get_vec_normalize_env()
+        if (tree["vec_normalize"] is None) != (norm is None):
+            raise CheckpointError("its observation normalisation (normalize_obs) differs from the model's")
+        plain.decode_into(model, tree["model"], "model")
+        dummy = model.get_env()
+        if norm is not None:
+            plain.decode_into(norm, tree["vec_normalize"], "vec_normalize")
+            dummy = norm.venv
+        plain.decode_into(dummy, tree["vec_env"], "vec_env")
+        _set_env_state(dummy, tree["env"], plain)
+        if (buffer is None) != (getattr(model, "replay_buffer", None) is None):
+            raise CheckpointError("its replay buffer does not fit the model")
+        if buffer is not None:
+            _fill_buffer(model, _Arrays(buffer))
+        set_rng_state(model, plain.decode(tree["rng"], None, "rng"))
+        return plain.decode(tree["extra"], None, "extra")
+    except CheckpointError as e:
+        raise CheckpointError(f"{source}: {e}") from e
+    except Exception as e:  # whatever a damaged or foreign file raises in the readers: refused, never run
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{source} cannot be read as a plain-data checkpoint of format {FORMAT} "
+                              f"({type(e).__name__}: {first})") from e
 
 
 def set_noise(model: BaseAlgorithm, learner: str, value: float) -> None:

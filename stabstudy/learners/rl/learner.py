@@ -165,15 +165,15 @@ def resume(spec: RunSpec) -> tuple[BaseAlgorithm, dict[str, Any]]:
     hp = hparams_for(spec)
     key = forks.prefix_key(spec)
     try:
-        blob, meta = forks.read_checkpoint(key.spec_hash)
+        forks.read_sidecar(key.spec_hash)
     except FileNotFoundError:
         warnings.warn(f"no checkpoint of the prefix {key.label} in {forks.checkpoints_dir()}; training it here "
                       "(run the prefixes first: forks.prefix_specs)", RuntimeWarning, stacklevel=2)
         run(key)
-        blob, meta = forks.read_checkpoint(key.spec_hash)
-    env = make_env(spec.task, spec.perturbations, spec.seed, hp["max_episode_steps"])
-    cap = None if spec.learner in ON_POLICY else int(min(hp["buffer_size"], spec.steps))
-    model, extra = forks.restore(blob, ALGO_CLASSES[spec.learner], env, cap)
+        seed_everything(spec.seed)
+    # built afresh from the fork's own spec (its env, its replay capacity), then the prefix's state put into it
+    model = build_model(spec)
+    extra, meta = forks.load(key.spec_hash, model)
     if hp["noise_after_fork"] != "same":
         forks.set_noise(model, spec.learner, float(hp["noise_after_fork"]))
     return model, {**extra, "status": meta["status"], "reason": meta["reason"], "sha256": meta["sha256"]}
