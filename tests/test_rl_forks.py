@@ -85,6 +85,13 @@ def test_fork_continues_exactly_like_the_uninterrupted_run(algo, hp):
     _assert_fork_equals_full(algo, *specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), **hp))
 
 
+@pytest.mark.parametrize("algo", ["ppo", "sac"])
+def test_a_halfcheetah_fork_continues_exactly_like_the_uninterrupted_run(algo):
+    """The study's own task (MuJoCo: the fork restores the simulator's full integration state),
+    forked mid-episode (episodes last 1,000 steps) and continued 192 env steps through a spike."""
+    _assert_fork_equals_full(algo, *specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), task="HalfCheetah-v5"))
+
+
 def _assert_fork_equals_full(algo, full, fork):
     rl.run(forks.prefix_key(fork))
     a, b = rl.run(full), rl.run(fork)
