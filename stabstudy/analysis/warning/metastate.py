@@ -30,8 +30,8 @@ def fit_pca(z: np.ndarray, features: Sequence[str], n_components: int | float = 
 
 
 def replay(x: np.ndarray, pca: PCAModel | None = None, config: MetaConfig | None = None) -> dict[str, np.ndarray]:
-    """The meta-state of a whole run at once (vectorised windows), equal to feeding :class:`MetaState`
-    row by row.
+    """The meta-state of a whole run at once (vectorised windows), equal to feeding
+    :class:`~stabstudy.online.metastate.MetaState` row by row.
 
     Args:
         x: features of one run, shape (step, feature).
