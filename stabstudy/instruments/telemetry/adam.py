@@ -182,6 +182,6 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _per_coord(st: OptState, per_param: torch.Tensor) -> torch.Tensor:
-    """A per-parameter value repeated over that parameter's coordinates (float32; the output
+    """A per-parameter value repeated over that parameter's coordinates (in the buffer's dtype; the output
     size is given, so that the device needs no synchronisation to size it)."""
-    return torch.repeat_interleave(per_param.to(torch.float32), st.flat.sizes_dev, output_size=st.flat.N)
+    return torch.repeat_interleave(per_param.to(st.flat.buf.dtype), st.flat.sizes_dev, output_size=st.flat.N)

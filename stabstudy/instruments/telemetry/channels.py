@@ -74,7 +74,8 @@ class Kind(IntEnum):
 
 
 class DevField(IntEnum):
-    """Device fields of a row, float32 per optimizer (NaN where not computed).
+    """Device fields of a row, per optimizer, in the dtype of its flat buffer (float64 for a float64
+    model, else float32; NaN where not computed).
 
     A measured step takes g.G0 and g.G1 (the two gradient slots, one holding g) by one
     matrix-vector product into the first two fields, and -u.g, u.u by another into NUG, U2;
@@ -144,7 +145,7 @@ class PreStepStats:
 
     name: str  #: the optimizer's name in the Monitor
     step: int  #: the row this update is recorded in
-    grad_norm: torch.Tensor  #: 0-d float32 tensor on the gradient's device: the global gradient norm
+    grad_norm: torch.Tensor  #: 0-d tensor on the gradient's device (float64 for a float64 model, else float32): the global gradient norm
 
     def grad_norm_float(self) -> float:
         """``grad_norm`` as a Python float (a host sync on a GPU)."""

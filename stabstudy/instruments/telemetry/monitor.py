@@ -51,11 +51,16 @@ copied into a flat row, one dot product); the other channels on steps divisible 
 optimizer's own steps; NaN in between). A measured step needs the gradient, the
 parameters before and after the update, Adam's m and v, and the previous step's
 gradient (:mod:`stabstudy.instruments.telemetry.stats`): one foreach copy of gradient and
-parameters into flat float32 rows, one matrix-vector product for g.g and g.g_prev, the
+parameters into flat rows, one matrix-vector product for g.g and g.g_prev, the
 update formed in place by ``torch._foreach_sub_`` and one more matrix-vector product for
 u.u and u.g, Adam's m and then v gathered by ``torch.cat`` into the row the previous
 gradient no longer needs (:mod:`stabstudy.instruments.telemetry.adam`), with one kernel
-per sum. Memory: three flat float32 rows the size of the stepped parameters per optimizer.
+per sum. Memory: three flat rows the size of the stepped parameters per optimizer.
+
+Precision: the copies and sums are float64 for an optimizer stepping a float64 parameter,
+float32 otherwise (float32, float16 and bfloat16 models); the Dataset is float64 either way.
+A float32 copy of float64 parameters would lose the update itself at small learning rates
+(``w_before`` rounded to float32 differs from ``w_after`` by more than the update does).
 Nothing is compiled at run time. ``benchmarks/telemetry_overhead.py`` measures the cost per
 step; :meth:`Monitor.cost` reports the time spent in the hooks of a live Monitor, i.e. its
 share of the user's own loop.
@@ -425,12 +430,12 @@ class Monitor:
 
         self._copies.start(blk.t[:n], apply)
 
-    def _block_row(self, st: OptState, s: int, device: torch.device) -> list[torch.Tensor]:
+    def _block_row(self, st: OptState, s: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
         """The device-field views of row ``s`` in ``st``'s block, starting a new block (and the
         copy of the full one) when the row is past it."""
         blk = st.block
         need = st.layers.end if self.per_layer else 0
-        if blk is None or not blk.covers(s, need) or blk.t.device != device:
+        if blk is None or not blk.covers(s, need) or blk.t.device != device or blk.t.dtype != dtype:
             if blk is not None and blk.dirty:
                 self._send(blk, st.index)
             if self._sink is not None:
@@ -438,9 +443,9 @@ class Monitor:
             self._copies.drain(wait=False)
             if self._sink is not None and not self._copies.pending:  # rows before s are closed
                 self._sink.flush(self, s)
-            if blk is None or blk.layers < need or blk.t.device != device:
+            if blk is None or blk.layers < need or blk.t.device != device or blk.t.dtype != dtype:
                 L = len(self._layer_names) if self.per_layer else 0
-                blk = st.block = Block(device, self.sync_every, L)
+                blk = st.block = Block(device, self.sync_every, L, dtype)
             else:
                 blk.reset(s)
             blk.base = s
@@ -621,7 +626,10 @@ class Monitor:
         if self.per_layer:
             self._layer_cols(st, params, ids)
         cur.inv = stats.grad_scale(st.opt)
-        dv = self._block_row(st, s, params[0].device)
+        # the flat buffer (and the block, in its dtype) before the first sum; special gradients
+        # have none (complex values do not fit a real buffer)
+        dtype = torch.float32 if st.special else st.prepare(params, ids).buf.dtype
+        dv = self._block_row(st, s, params[0].device, dtype)
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
         lg = st.block.layer(s, 0) if self.per_layer else None
@@ -632,7 +640,6 @@ class Monitor:
                     dv[DevField.G2].mul_(cur.inv * cur.inv)
                 return
             measure = k % self.every == 0
-            st.prepare(params, ids)
             if not measure:
                 stats.grad_only(st, grads, dv, lg)
                 if (k + 1) % self.every == 0:  # keep it for the next step's xgrad

@@ -18,9 +18,9 @@ import torch
 
 from stabstudy.instruments.telemetry.table import Block
 
-#: Buffer rows are padded to a multiple of this many float32 (64 bytes): BLAS's dot product ran
-#: 7x slower on two rows whose addresses differed by 40 bytes.
-ALIGN = 16
+#: Buffer rows are padded to a multiple of 64 bytes: BLAS's dot product ran 7x slower on two rows
+#: whose addresses differed by 40 bytes.
+ALIGN_BYTES = 64
 
 
 class Row(IntEnum):
@@ -31,6 +31,13 @@ class Row(IntEnum):
     W = 2  #: the parameters before the step, turned into -u = w_before - w_after after it
 
 
+def stat_dtype(params: list[torch.Tensor]) -> torch.dtype:
+    """The dtype the Monitor copies and sums ``params`` in: float64 where one of them is float64,
+    else float32 (float16 and bfloat16 parameters too: their squared norms would overflow or
+    round away in their own dtype)."""
+    return torch.float64 if any(p.dtype is torch.float64 for p in params) else torch.float32
+
+
 def as_float(x: Any) -> float:
     """A Python number or a one-element tensor as a float (a device tensor: a host sync)."""
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
@@ -38,8 +45,8 @@ def as_float(x: Any) -> float:
 
 @dataclass(slots=True, eq=False)
 class FlatBuffer:
-    """The stepped parameters' gradient slots and parameters as rows of one (3, S) float32
-    tensor on their device, with the views the statistics use (built once per parameter set)."""
+    """The stepped parameters' gradient slots and parameters as rows of one (3, S) tensor on their
+    device, in :func:`stat_dtype`, with the views the statistics use (built once per parameter set)."""
 
     buf: torch.Tensor  #: (3, S), rows :class:`Row`
     flat: list[torch.Tensor]  #: each row's first N elements
@@ -47,31 +54,34 @@ class FlatBuffer:
     slots: torch.Tensor  #: rows G0, G1 as one (2, N) matrix
     slot_w: list[torch.Tensor]  #: per slot: that slot's row and row W as one (2, N) matrix
     sizes: list[int]  #: element count per tensor
+    dtypes: list[torch.dtype]  #: dtype per tensor (the buffer's dtype follows them)
     sizes_dev: torch.Tensor  #: the same, on the device
     key: tuple[int, ...]  #: ids of the parameters it was built for
     N: int  #: elements of the stepped parameters
 
     @classmethod
     def build(cls, params: list[torch.Tensor], key: tuple[int, ...]) -> FlatBuffer:
-        dev = params[0].device
+        dev, dtype = params[0].device, stat_dtype(params)
         sizes = [p.numel() for p in params]
         N = sum(sizes)
-        S = -(-N // ALIGN) * ALIGN
-        buf = torch.zeros(3, S, dtype=torch.float32, device=dev)
+        align = ALIGN_BYTES // dtype.itemsize
+        S = -(-N // align) * align
+        buf = torch.zeros(3, S, dtype=dtype, device=dev)
         flat = [buf[r, :N] for r in Row]
         rows = [[v.view(p.shape) for v, p in zip(f.split(sizes), params, strict=True)] for f in flat]
         sizes_dev = torch.tensor(sizes)
         if dev.type != "cpu":
             sizes_dev = sizes_dev.to(dev, non_blocking=True)
         return cls(buf=buf, flat=flat, rows=rows, slots=buf[Row.G0:Row.G1 + 1, :N],
-                   slot_w=[buf[Row.G0::2, :N], buf[Row.G1:, :N]], sizes=sizes, sizes_dev=sizes_dev, key=key, N=N)
+                   slot_w=[buf[Row.G0::2, :N], buf[Row.G1:, :N]], sizes=sizes, dtypes=[p.dtype for p in params],
+                   sizes_dev=sizes_dev, key=key, N=N)
 
     def fits(self, params: list[torch.Tensor], key: tuple[int, ...]) -> bool:
-        """Whether it still serves ``params`` (same set, same device, same sizes: ``p.data`` may
-        be replaced by a tensor of another shape)."""
+        """Whether it still serves ``params`` (same set, same device, same sizes and dtypes:
+        ``p.data`` may be replaced by a tensor of another shape or dtype)."""
         p0, buf = params[0], self.buf
         return key == self.key and (buf.is_cpu if p0.is_cpu else buf.device == p0.device) and \
-            [p.numel() for p in params] == self.sizes
+            [p.numel() for p in params] == self.sizes and [p.dtype for p in params] == self.dtypes
 
 
 @dataclass(slots=True, eq=False)

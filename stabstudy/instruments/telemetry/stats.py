@@ -3,8 +3,7 @@
 Each function writes sums (see :class:`~stabstudy.instruments.telemetry.channels.DevField`)
 by ``out=`` into 0-d views of the optimizer's device block and never reads a tensor back.
 
-A measured step copies the gradient into one of two gradient slots of a flat float32
-buffer (:class:`~stabstudy.instruments.telemetry.state.FlatBuffer`; the other slot holds the
+A measured step copies the gradient into one of two gradient slots of a flat buffer (:class:`~stabstudy.instruments.telemetry.state.FlatBuffer`; the other slot holds the
 previous step's gradient, for ``xgrad``) and the parameters into a third row, by
 ``torch._foreach_copy_``; after the step ``torch._foreach_sub_`` turns
 that row into -u = w_before - w_after. The sums then run on flat rows, one kernel each (a
@@ -60,12 +59,12 @@ def put_cols(dst: torch.Tensor, cols: tuple[int, int] | torch.Tensor, values: to
     if isinstance(cols, tuple):
         dst[cols[0]:cols[1]].copy_(values)
     else:
-        dst.index_copy_(0, cols, values.to(torch.float32))
+        dst.index_copy_(0, cols, values.to(dst.dtype))
 
 
 def norms_into(norms: list[torch.Tensor], cols: Any, dst: torch.Tensor | None) -> torch.Tensor:
     """Stack per-tensor ``norms``, writing them into layer columns ``cols`` of ``dst`` when given."""
-    if dst is not None and isinstance(cols, tuple) and norms[0].dtype is torch.float32:
+    if dst is not None and isinstance(cols, tuple) and norms[0].dtype is dst.dtype:
         return torch.stack(norms, out=dst[cols[0]:cols[1]])
     s = torch.stack(norms)
     if dst is not None:

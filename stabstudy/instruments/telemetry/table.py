@@ -120,10 +120,11 @@ class HostCopies:
 class Block:
     """``rows`` rows of one optimizer's device fields (``ND``) and, for ``layers`` > 0, its
     per-layer gradient, update and weight norms (``LAYER_PARTS``, ``layers`` columns each),
-    float32 on one device, NaN where not written; rows ``base`` .. ``base + rows - 1``."""
+    on one device in ``dtype`` (that of the optimizer's flat buffer), NaN where not written; rows
+    ``base`` .. ``base + rows - 1``."""
 
-    def __init__(self, device: torch.device, rows: int, layers: int):
-        self.t = torch.full((rows, ND + len(LAYER_PARTS) * layers), _NAN, dtype=torch.float32, device=device)
+    def __init__(self, device: torch.device, rows: int, layers: int, dtype: torch.dtype = torch.float32):
+        self.t = torch.full((rows, ND + len(LAYER_PARTS) * layers), _NAN, dtype=dtype, device=device)
         self.rows, self.layers = rows, layers
         self.base = 0
         self.used = 0  # rows written since the last reset: 1 + the latest one - base
