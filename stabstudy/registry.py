@@ -1,7 +1,8 @@
 """The one registry: domains, learners, tasks, perturbation kinds and channels.
 
-The CLI, spec validation, the runner, the docs and the tests all read these tables;
-nothing else lists them. Learner code is named by ``"module:function"`` strings and
+The CLI, spec validation, the runner, the docs (docs/registry.md is generated from here), the
+instruments' channel lists, the Datasets' ``long_name``/``units`` attributes (:func:`annotate`) and
+the tests all read these tables; nothing else lists them. Learner code is named by ``"module:function"`` strings and
 imported only when a run executes, so validating a spec never imports torch.
 """
 
@@ -157,51 +158,167 @@ def check_kind(kind: str, domain_name: str | None = None) -> Kind:
 
 # -- channels ------------------------------------------------------------------------------
 
+#: Learner modules with channels but no ``run(spec)`` domain: :mod:`stabstudy.learners.depth`'s profiles at init.
+PROFILES = ("depth",)
+#: Who records a channel.
+SOURCES = ("learner", "optimizer", "layers", "curvature", "precision", "model", "rl", "control", "schedule")
+#: Names the Monitor gives the optimizers of an SB3 algorithm (its channels per optimizer end in ``_<name>``).
+OPTIMIZERS = ("policy", "actor", "critic", "ent_coef")
+
+
+@dataclass(frozen=True)
+class Channel:
+    """One recorded quantity: what the Dataset variable of that name means, wherever it is stored.
+
+    ``unit`` (the variable's ``units`` attribute) is ``"1"`` for a dimensionless ratio, cosine,
+    fraction, flag or code, ``"loss"`` for the training objective's own unit (MSE, nats per token,
+    an RL algorithm's loss), ``"param"`` / ``"grad"`` for norms in the parameters' / the gradient's
+    units, else a plain unit (``s``, ``nats``, ``env steps``, ...).
+    """
+
+    name: str
+    meaning: str
+    unit: str
+    domains: tuple[str, ...]
+    """the domains (or :data:`PROFILES`) whose Datasets may carry it"""
+    source: str
+    """who records it (one of :data:`SOURCES`)"""
+    always: bool = False
+    """every run of its domains carries it (NaN where it is not measured), not only those that measure it"""
+    per: str = ""
+    """``"optimizer"``: also one ``<name>_<optimizer>`` per optimizer of a multi-optimizer Monitor;
+    ``"layer"``: also one ``<name>_l<i>`` per transformer layer"""
+
+
+_LM_TOY = ("toy", "lm")
+CHANNELS: dict[str, Channel] = {c.name: c for c in (
+    # shared by every domain: the schema's contract between notebooks
+    Channel("loss", "training objective at that update", "loss", _ALL, "learner", True),
+    Channel("perf", "higher-is-better performance (toy: test accuracy (digits) or minus the test loss; RL: "
+            "evaluation return; LM: minus the validation loss; seq: minus the test loss)", "accuracy, -loss or return",
+            _ALL, "learner", True),
+    Channel("grad_norm", "global L2 norm of the gradient", "grad", _ALL, "optimizer", True, "optimizer"),
+    Channel("xgrad", "gradient-direction coherence cos(g_t, g_{t-1})", "1", _ALL, "optimizer", True, "optimizer"),
+    Channel("update_norm", "L2 norm of the applied parameter update", "param", _ALL, "optimizer", True, "optimizer"),
+    Channel("update_ratio", "update norm / parameter norm (before the update)", "1", _ALL, "optimizer", True,
+            "optimizer"),
+    Channel("update_grad_cos", "cos(applied update, -gradient)", "1", _ALL, "optimizer", True, "optimizer"),
+    Channel("adam_m_norm", "L2 norm of Adam's bias-corrected first moment m_hat", "grad", _ALL, "optimizer", True,
+            "optimizer"),
+    Channel("adam_v_mean", "mean of Adam's bias-corrected second moment v_hat", "grad^2", _ALL, "optimizer", True,
+            "optimizer"),
+    Channel("adam_eps_frac", "fraction of coordinates with sqrt(v_hat) < eps (bias-corrected)", "1", _ALL,
+            "optimizer", True, "optimizer"),
+    Channel("lambda_max", "top Hessian eigenvalue (Lanczos on Hessian-vector products; NaN between measurements)",
+            "loss/param^2", _ALL, "curvature", True),
+    Channel("lr", "learning rate actually applied (param_groups[0]['lr'] of the primary optimizer)", "lr", _ALL,
+            "optimizer", True, "optimizer"),
+    Channel("perturbed", "1 while a perturbation is active", "1", _ALL, "schedule", True),
+    Channel("intervened", "1 where a controller acted", "1", _ALL, "control", True),
+    # the Monitor's optional channels
+    Channel("grad_coherence", "microbatch gradient coherence ||mean_k g_k||^2 / mean_k ||g_k||^2", "1", _ALL,
+            "learner"),
+    Channel("layer_grad_norm", "L2 norm of the gradient per parameter tensor", "grad", _ALL, "layers"),
+    Channel("layer_update_ratio", "update norm / parameter norm per parameter tensor", "1", _ALL, "layers"),
+    # closed-loop control
+    Channel("action", "code of the controller's action (0 none; interventions.control.ACTION_CODES)", "1",
+            ("toy", "lm", "rl"), "control"),
+    Channel("controller_score", "largest score of the controller's detectors at that update (recorded also "
+            "below the threshold, for calibration)", "1", ("rl",), "control"),
+    # curvature probe (toy and LM runs with curvature_every > 0)
+    Channel("sharpness_grad", "directional curvature along the gradient", "loss/param^2", _LM_TOY, "curvature"),
+    Channel("sharpness_update", "directional curvature along the applied update", "loss/param^2", _LM_TOY,
+            "curvature"),
+    Channel("precond_sharpness", "top eigenvalue of Adam's preconditioned Hessian", "1/lr", _LM_TOY, "curvature"),
+    Channel("lambda_max_cost_s", "seconds spent in one lambda_max", "s", _LM_TOY, "curvature"),
+    Channel("lambda_max_iters", "Hessian-vector products used by one lambda_max", "1", _LM_TOY, "curvature"),
+    # toy and seq
+    Channel("test_loss", "loss on held-out data", "loss", ("toy", "seq"), "learner"),
+    Channel("train_acc", "training accuracy (digits)", "1", ("toy",), "learner"),
+    Channel("grad_norm_raw", "gradient norm before clipping", "grad", ("seq",), "learner"),
+    Channel("clipped", "1 where clipping scaled the gradient down", "1", ("seq",), "learner"),
+    Channel("state_grad_norm", "norm of the loss gradient with respect to a hidden state, at init (seq: lag steps "
+            "before the loss; depth: layers below the output)", "grad", ("seq", "depth"), "learner"),
+    Channel("block_grad_norm", "gradient norm of one transformer block's parameters at init", "grad", ("depth",),
+            "learner"),
+    # language models
+    Channel("val_loss", "validation loss", "nats/token", ("lm",), "learner"),
+    Channel("ce_loss", "cross-entropy part of the loss", "nats/token", ("lm",), "learner"),
+    Channel("z_loss", "z-loss part of the loss", "loss", ("lm",), "learner"),
+    Channel("attn_logit_max", "largest attention logit", "logit", ("lm",), "model", per="layer"),
+    Channel("out_logit_max", "largest output logit", "logit", ("lm",), "model"),
+    Channel("attn_entropy_min", "smallest attention entropy of a head", "nats", ("lm",), "model"),
+    # precision (LM runs other than float32, with a loss scaler or a precision_switch)
+    Channel("nonfinite_grads", "non-finite gradient entries", "1", ("lm",), "precision"),
+    Channel("loss_scale", "GradScaler's scale", "1", ("lm",), "precision"),
+    Channel("skipped_step", "1 where the scaler skipped the step", "1", ("lm",), "precision"),
+    Channel("lost_update_frac", "share of the update's coordinates rounded away in storage", "1", ("lm",),
+            "precision"),
+    Channel("fp16_headroom", "largest logit as float16 would materialise it / float16's largest value "
+            "(>= 1: overflow)", "1", ("lm",), "precision"),
+    Channel("adam_state_nonfinite", "non-finite Adam state entries", "1", ("lm",), "precision"),
+    # reinforcement learning (stable-baselines3 callbacks)
+    Channel("episode_return", "return of the last finished training episode (unscaled)", "return", ("rl",), "rl",
+            True),
+    Channel("entropy", "policy entropy", "nats", ("rl",), "rl", True),
+    Channel("approx_kl", "PPO's approximate KL of an update", "nats", ("rl",), "rl", True),
+    Channel("clip_fraction", "PPO's clipped fraction", "1", ("rl",), "rl", True),
+    Channel("value_loss", "critic / value loss", "loss", ("rl",), "rl", True),
+    Channel("q_mean", "mean Q value of a replay batch", "return", ("rl",), "rl", True),
+    Channel("action_saturation", "fraction of actions at the bounds", "1", ("rl",), "rl", True),
+    Channel("actor_loss", "SAC/TD3/DDPG's actor loss", "loss", ("rl",), "rl"),
+    Channel("ent_coef", "SAC's entropy coefficient", "1", ("rl",), "rl"),
+    Channel("policy_std", "PPO/A2C's policy standard deviation (SB3's train/std)", "action", ("rl",), "rl"),
+    Channel("value_mean", "mean value prediction over the rollout", "return", ("rl",), "rl"),
+    Channel("perf_env_step", "environment step at which perf was measured", "env steps", ("rl",), "rl"),
+)}
+
+#: Channel name -> meaning (the ``long_name`` attribute of a Dataset variable).
+LONG_NAMES: dict[str, str] = {c.name: c.meaning for c in CHANNELS.values()}
 #: Channels every stored run carries (NaN where its learner cannot measure them): name -> meaning.
-SHARED: dict[str, str] = {
-    "loss": "training objective at that update",
-    "perf": "higher-is-better performance (RL: evaluation return; LM: minus validation loss)",
-    "grad_norm": "global L2 norm of the gradient",
-    "xgrad": "gradient-direction coherence cos(g_t, g_{t-1})",
-    "update_norm": "L2 norm of the applied update",
-    "update_ratio": "update norm / parameter norm",
-    "update_grad_cos": "cos(applied update, -gradient)",
-    "adam_m_norm": "norm of Adam's bias-corrected first moment",
-    "adam_v_mean": "mean of Adam's bias-corrected second moment",
-    "adam_eps_frac": "fraction of coordinates where sqrt(v) < eps",
-    "lambda_max": "top Hessian eigenvalue (NaN between measurements)",
-    "lr": "learning rate actually applied",
-    "perturbed": "1 while a perturbation is active",
-    "intervened": "1 where a controller acted",
-}
+SHARED: dict[str, str] = {c.name: c.meaning for c in CHANNELS.values() if c.always and c.domains == _ALL}
 SHARED_CHANNELS: tuple[str, ...] = tuple(SHARED)
 
-#: Channels a domain adds to the shared ones: domain -> name -> meaning.
-DOMAIN_CHANNELS: dict[str, dict[str, str]] = {
-    "rl": {
-        "episode_return": "return of the last finished training episode",
-        "entropy": "policy entropy", "approx_kl": "PPO's approximate KL of an update",
-        "clip_fraction": "PPO's clipped fraction", "value_loss": "critic / value loss",
-        "q_mean": "mean Q value of a replay batch", "action_saturation": "fraction of actions at the bounds",
-    },
-    "lm": {
-        "val_loss": "validation loss", "ce_loss": "cross-entropy part of the loss", "z_loss": "z-loss part",
-        "attn_logit_max": "largest attention logit", "out_logit_max": "largest output logit",
-        "attn_entropy_min": "smallest attention entropy of a head",
-        "nonfinite_grads": "non-finite gradient entries", "loss_scale": "GradScaler's scale",
-        "skipped_step": "1 where the scaler skipped the step", "lost_update_frac": "share of updates rounded away",
-        "fp16_headroom": "headroom of the largest logit below float16's limit",
-        "adam_state_nonfinite": "non-finite Adam state entries",
-        "action": "code of the controller's action (0 none; interventions.control.ACTION_CODES)",
-    },
-    "toy": {"test_loss": "loss on held-out data", "train_acc": "training accuracy (classification)",
-            "action": "code of the controller's action (0 none; interventions.control.ACTION_CODES)"},
-    "seq": {"test_loss": "loss on held-out data", "grad_norm_raw": "gradient norm before clipping",
-            "clipped": "1 where clipping scaled the gradient down"},
-}
-#: Channels of the curvature probe (toy and LM runs with ``curvature_every > 0``).
-CURVATURE: dict[str, str] = {
-    "sharpness_grad": "directional curvature along the gradient", "sharpness_update": "along the update",
-    "precond_sharpness": "top eigenvalue of Adam's preconditioned Hessian",
-    "lambda_max_cost_s": "seconds spent in one lambda_max", "lambda_max_iters": "Hessian-vector products used",
-}
+
+def channel_names(*, source: str | None = None, domain: str | None = None, always: bool | None = None) -> tuple[str, ...]:
+    """Names of the registered channels (in registry order) from ``source``, of ``domain``, carried always or not."""
+    for value, valid, what in ((source, SOURCES, "source"), (domain, (*DOMAINS, *PROFILES), "domain")):
+        if value is not None and value not in valid:
+            raise ValueError(f"unknown channel {what} {value!r}; valid: {', '.join(valid)}")
+    return tuple(c.name for c in CHANNELS.values() if (source is None or c.source == source)
+                 and (domain is None or domain in c.domains) and (always is None or c.always == always))
+
+
+def channel(name: str, optimizers: tuple[str, ...] = OPTIMIZERS) -> tuple[Channel, str] | None:
+    """The :class:`Channel` a variable called ``name`` records, with what its suffix names (``""``,
+    an optimizer of ``optimizers`` or ``"layer <i>"``); None for an unregistered name."""
+    if name in CHANNELS:
+        return CHANNELS[name], ""
+    base, _, tail = name.rpartition("_l")
+    if base in CHANNELS and CHANNELS[base].per == "layer" and tail.isdigit():
+        return CHANNELS[base], f"layer {tail}"
+    for opt in optimizers:
+        base = name.removesuffix("_" + opt)
+        if base != name and base in CHANNELS and CHANNELS[base].per == "optimizer":
+            return CHANNELS[base], opt
+    return None
+
+
+def long_name(name: str, optimizers: tuple[str, ...] = OPTIMIZERS) -> str:
+    """The ``long_name`` of variable ``name``: its channel's meaning (``(actor)``, ``(layer 0)`` for a family
+    member); the name itself when unregistered."""
+    found = channel(name, optimizers)
+    if found is None:
+        return name
+    ch, which = found
+    return f"{ch.meaning} ({which})" if which else ch.meaning
+
+
+def annotate(ds, optimizers: tuple[str, ...] = OPTIMIZERS):
+    """Set ``long_name`` and ``units`` of every registered data variable of the xarray Dataset ``ds``
+    from the registry (in place; unregistered variables keep theirs); returns ``ds``."""
+    for name, var in ds.data_vars.items():
+        found = channel(str(name), optimizers)
+        if found is not None:
+            var.attrs.update(long_name=long_name(str(name), optimizers), units=found[0].unit)
+    return ds

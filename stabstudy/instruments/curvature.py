@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from stabstudy import registry
+
 LossFn = Callable[[], torch.Tensor]
 
 
@@ -396,8 +398,7 @@ def check(name: str, measured: float, target: float, rel_tol: float) -> dict:
 
 
 #: Channels a :class:`CurvatureProbe` writes.
-CURVATURE_CHANNELS = ("lambda_max", "sharpness_grad", "sharpness_update", "precond_sharpness",
-                      "lambda_max_cost_s", "lambda_max_iters")
+CURVATURE_CHANNELS = registry.channel_names(source="curvature")
 
 
 class CurvatureProbe:

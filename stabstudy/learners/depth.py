@@ -140,7 +140,7 @@ def depth_profiles(sigmas: Sequence[float], depth: int, width: int, seeds: Seque
                         coords={"activation": list(activations), "variant": list(variants),
                                 "sigma": [float(s) for s in sigmas], "seed": [int(s) for s in seeds],
                                 "from_output": np.arange(depth + 1)},
-                        name="grad_norm", attrs={"long_name": "||dL/dh_l|| at init (Frobenius over batch)",
+                        name="state_grad_norm", attrs={"long_name": "||dL/dh_l|| at init (Frobenius over batch)",
                                                  "depth": depth, "width": width, "input_q0": 1.0})
 
 

@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from stabstudy import registry
 from stabstudy.hparams import GPTHParams, merged
 from stabstudy.instruments import curvature, precision
 from stabstudy.instruments.telemetry import Monitor
@@ -65,8 +66,8 @@ from stabstudy.spec import RunSpec
 #: 2: lambda_max from the on-device Lanczos (another start vector: values move within its tolerance).
 RESULTS_VERSION = 2
 
-PRECISION_CHANNELS = ("nonfinite_grads", "loss_scale", "skipped_step", "lost_update_frac",
-                      "fp16_headroom", "adam_state_nonfinite")
+#: The registry's ``precision`` channels, recorded in precision mode.
+PRECISION_CHANNELS = registry.channel_names(source="precision")
 
 #: Steps whose losses and parameter-finiteness checks stay on the device before one copy to
 #: the host (and the Monitor's ``sync_every``): the float32 training loop reads no tensor back
@@ -357,5 +358,5 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds.attrs.update(status=status, corpus_sha256=corpus.sha256, corpus_name=corpus.name,
                     corpus_bytes=corpus.n_bytes, rare_token=corpus.rare_token, n_params=model.num_params(),
                     device=str(device), tokens_per_step=B * T)
-    return ds
+    return registry.annotate(ds)
 

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from stabstudy import registry
 from stabstudy.hparams import SeqHParams, merged
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions.perturb import Perturber
@@ -232,7 +233,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds["perturbed"] = ("step", pert.mask(steps_done))
     ds.attrs.update(status=status, n_params=sum(p.numel() for p in params), task=spec.task, T=T,
                     constant_predictor_mse=1.0 / 6.0)
-    return ds
+    return registry.annotate(ds)
 
 
 def time_profile(kind: str, sigma: float, T: int, *, hidden: int = 64, batch: int = 16, seed: int = 0,

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from stabstudy import registry
 from stabstudy.hparams import ToyHParams, merged
 from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
 from stabstudy.instruments.telemetry import Monitor
@@ -257,7 +258,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         ds.attrs.update(ctrl.attrs())
     ds.attrs.update(status=status, n_params=sum(p.numel() for p in params), batch_size=int(bs),
                     full_batch=int(full_batch))
-    return ds
+    return registry.annotate(ds)
 
 
 @torch.no_grad()

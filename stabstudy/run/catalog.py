@@ -32,11 +32,16 @@ def markdown(sections: tuple[str, ...] = SECTIONS) -> str:
                         [(f"`{k.name}`", k.dimension, ", ".join(k.domains), k.dose, "yes" if k.instantaneous else "")
                          for k in registry.KINDS.values()]) + [""]
     if "channels" in sections:
-        lines += ["## Channels", ""]
-        rows = [(f"`{n}`", "all", m) for n, m in registry.SHARED.items()]
-        rows += [(f"`{n}`", d, m) for d, chans in registry.DOMAIN_CHANNELS.items() for n, m in chans.items()]
-        rows += [(f"`{n}`", "toy, lm (curvature)", m) for n, m in registry.CURVATURE.items()]
-        lines += _table(("channel", "domain", "meaning"), rows) + [""]
+        lines += ["## Channels", "",
+                  "Every stored run carries the channels marked *always* for its domains (NaN where its learner "
+                  "cannot measure them). A multi-optimizer Monitor (SAC, TD3) adds `<channel>_<optimizer>` for the "
+                  "channels per optimizer; the LM adds `attn_logit_max_l<i>` per layer. `units`: `1` dimensionless, "
+                  "`loss` the objective's own unit, `param` / `grad` the parameters' / the gradient's.", ""]
+        every = set(registry.DOMAINS)
+        rows = [(f"`{c.name}`", "all" if set(c.domains) == every else ", ".join(c.domains), c.unit, c.source,
+                 "yes" if c.always else "", {"optimizer": "per optimizer", "layer": "per layer"}.get(c.per, ""),
+                 c.meaning) for c in registry.CHANNELS.values()]
+        lines += _table(("channel", "domains", "units", "source", "always", "family", "meaning"), rows) + [""]
     if "hparams" in sections:
         lines += ["## Hyperparameters", ""]
         seen: set[type] = set()

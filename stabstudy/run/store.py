@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import xarray as xr
 
-from stabstudy import __version__, paths
+from stabstudy import __version__, paths, registry
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.registry import SHARED_CHANNELS
 from stabstudy.spec import RunSpec
@@ -81,7 +81,7 @@ def conform(ds: xr.Dataset, spec: RunSpec) -> xr.Dataset:
     for name, var in ds.data_vars.items():
         if var.dtype == bool:
             ds[name] = var.astype("float64")
-    return ds
+    return registry.annotate(ds)
 
 
 def _clean_attrs(attrs: dict) -> dict:

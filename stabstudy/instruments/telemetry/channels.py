@@ -19,34 +19,17 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from stabstudy import registry
+
 #: Version of the Monitor's implementation: stored with every run (``code_identity``), so that
 #: runs whose telemetry was computed by another implementation can be told apart.
 TELEMETRY_VERSION = "torch-foreach-1"
 
-#: Long names of the channels the Monitor records (attrs of ``to_dataset``).
-LONG_NAMES: dict[str, str] = {
-    "grad_norm": "global L2 norm of the gradient",
-    "xgrad": "gradient-direction coherence cos(g_t, g_{t-1})",
-    "update_norm": "L2 norm of the applied parameter update",
-    "update_ratio": "update norm / parameter norm (before the update)",
-    "update_grad_cos": "cosine(applied update, -gradient)",
-    "adam_m_norm": "L2 norm of Adam's bias-corrected first moment m_hat",
-    "adam_v_mean": "mean of Adam's bias-corrected second moment v_hat",
-    "adam_eps_frac": "fraction of coordinates with sqrt(v_hat) < eps (bias-corrected)",
-    "lr": "learning rate applied (param_groups[0]['lr'] of the primary optimizer)",
-    "grad_coherence": "microbatch gradient coherence ||mean_k g_k||^2 / mean_k ||g_k||^2",
-    "loss": "training objective at that update",
-    "perf": "performance measure (higher is better)",
-    "perturbed": "1 while a perturbation is active",
-    "intervened": "1 where a controller acted",
-    "lambda_max": "top Hessian eigenvalue (Lanczos on Hessian-vector products; NaN between measurements)",
-    "layer_grad_norm": "L2 norm of the gradient per parameter tensor",
-    "layer_update_ratio": "update norm / parameter norm per parameter tensor",
-}
+#: Long names of the channels (attrs of ``to_dataset``): the registry's meanings.
+LONG_NAMES: dict[str, str] = registry.LONG_NAMES
 
-#: Channels computed by the Monitor itself, in dataset order.
-OPT_CHANNELS = ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
-                "adam_m_norm", "adam_v_mean", "adam_eps_frac", "lr")
+#: Channels computed by the Monitor itself, in dataset order (the registry's ``optimizer`` channels).
+OPT_CHANNELS = registry.channel_names(source="optimizer")
 
 NAN = float("nan")
 

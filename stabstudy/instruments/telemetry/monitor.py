@@ -81,6 +81,7 @@ import numpy as np
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from stabstudy import registry
 from stabstudy.instruments.telemetry import stats
 from stabstudy.instruments.telemetry.adam import adam_stats
 from stabstudy.instruments.telemetry.channels import (
@@ -463,13 +464,7 @@ class Monitor:
         return out
 
     def _long_name(self, ch: str) -> str:
-        if ch in LONG_NAMES:
-            return LONG_NAMES[ch]
-        for st in self._opts:
-            suffix = "_" + st.name
-            if ch.endswith(suffix) and ch[: -len(suffix)] in LONG_NAMES:
-                return f"{LONG_NAMES[ch[: -len(suffix)]]} ({st.name})"
-        return ch
+        return registry.long_name(ch, tuple(st.name for st in self._opts))
 
     def _init_layers(self, model: Any) -> None:
         names: dict[int, str] = {}

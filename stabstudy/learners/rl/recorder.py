@@ -17,14 +17,15 @@ import torch
 import xarray as xr
 from stable_baselines3.common.base_class import BaseAlgorithm
 
+from stabstudy import registry
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.learners.rl.envs import ENV_KINDS
 from stabstudy.registry import ON_POLICY
 
-#: Channels the callbacks record in addition to the Monitor's.
-RL_CHANNELS = ("perf", "episode_return", "entropy", "approx_kl", "clip_fraction", "value_loss", "q_mean",
-               "action_saturation", "loss")
+#: Channels every RL Dataset carries from the callbacks (beside the Monitor's): the registry's
+#: ``rl`` channels carried always, with the shared ``perf`` and ``loss`` the callbacks record.
+RL_CHANNELS = ("perf", *registry.channel_names(source="rl", always=True), "loss")
 #: Kinds that change the policy's parameters once, at their start.
 PARAMETRIC_KINDS = ("weight_noise", "reinit_layer")
 #: Kinds whose effect reaches an on-policy update through the rollout it trains on.
@@ -236,4 +237,4 @@ class Recorder:
                             else np.zeros(ds.sizes["step"]))
         ds["step"].attrs["long_name"] = "gradient updates completed"
         ds["env_step"].attrs["long_name"] = "environment steps consumed"
-        return ds
+        return registry.annotate(ds)
