@@ -388,6 +388,23 @@ def within_tolerance(claim: str, source: str, measured: Sequence[float], target:
                  (float(err.min()), float(err.max())), int(err.size), test)
 
 
+def interval_above(claim: str, source: str, effect: float, ci: tuple[float, float], n: int, *, above: float,
+                   test: str, min_n: int = 3) -> Claim:
+    """Claim: a statistic lies above ``above``, judged by an interval that resamples the ``n``
+    independent units (e.g. a seed bootstrap of an ROC-AUC). Supported when the whole interval is
+    above, not supported when the whole interval is at or below, inconclusive when it straddles
+    ``above`` or is undefined; "not tested" without data."""
+    if (early := _too_few(claim, source, int(n), min_n, test)) is not None:
+        return replace(early, effect=float(effect))
+    lo, hi = (float(c) for c in ci)
+    if not (np.isfinite(lo) and np.isfinite(hi) and np.isfinite(effect)):
+        return Claim(claim, source, "inconclusive", f"{effect:.3g}: the interval is undefined (a resample lacked "
+                     "one of the classes)", float(effect), (lo, hi), int(n), test)
+    verdict = "supported" if lo > above else "not supported" if hi <= above else "inconclusive"
+    return Claim(claim, source, verdict, f"{effect:.3g} [{lo:.3g}, {hi:.3g}] vs {above:g} over {n} units",
+                 float(effect), (lo, hi), int(n), test)
+
+
 def table(claims: Sequence[Claim], alpha: float = 0.05) -> pd.DataFrame:
     """The claims of one notebook as a DataFrame, p-values Holm-adjusted within it.
 

@@ -12,7 +12,7 @@ meta-state PCA and calibrates every detector on the calibration seeds, and evalu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -22,18 +22,25 @@ import xarray as xr
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import lm_spikes
 from stabstudy.analysis.warning import evaluation as E
+from stabstudy.analysis.warning import outcomes as O
+from stabstudy.analysis.warning import specificity as S
 from stabstudy.analysis.warning.labels import LabelRule, label_runs
 from stabstudy.online import MetaConfig, PCAModel
 from stabstudy.online import features as F
 from stabstudy.spec import Perturbation, RunSpec
 
 SOURCE = "source paper (arXiv 2601.13160)"
+#: The performance-only detector the specificity claims compare with.
+LOSS = "loss robust z (performance)"
+#: Specificity targets: which outcome classes (:data:`stabstudy.analysis.warning.outcomes.OUTCOMES`) count.
+TARGETS: dict[str, tuple[str, ...]] = {"explodes": ("explodes",),
+                                       "lasting damage": ("explodes", "silently degrades")}
 
 
 def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[Sequence[float]],
          shock_step: int, shocks: Sequence[Sequence[Any]], spontaneous: dict[str, Any] | None = None,
-         spontaneous_seeds: Sequence[int] = (), curvature_every: int = 0, curvature_iters: int = 20,
-         **hp: Any) -> list[RunSpec]:
+         spontaneous_seeds: Sequence[int] = (), null_seeds: Sequence[int] = (), curvature_every: int = 0,
+         curvature_iters: int = 20, **hp: Any) -> list[RunSpec]:
     """The runs of notebook 04.
 
     Args:
@@ -47,6 +54,8 @@ def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[S
         spontaneous: hyperparameters laid over ``hp`` for unperturbed runs of the spontaneous family
             (none when empty).
         spontaneous_seeds: seeds of those runs.
+        null_seeds: seeds of further unperturbed runs (the null the thresholds are calibrated on;
+            they cost one run each, and no perturbed run shares their steps).
         curvature_every: measure ``lambda_max`` every this many steps in every run (0: never, and
             the specs stay those of notebook 02).
         curvature_iters: Hessian-vector products per measurement.
@@ -67,6 +76,7 @@ def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[S
         for kind, dose, duration in shocks:
             specs.append(base_spec(steps, seed, perturbations=(
                 Perturbation(str(kind), shock_step, int(duration), dose=float(dose)),), **hp))
+    specs += [base_spec(steps, seed, **hp) for seed in null_seeds]
     if spontaneous:
         specs += [base_spec(steps, seed, **{**hp, **spontaneous}) for seed in spontaneous_seeds]
     return list(dict.fromkeys(specs))
@@ -93,6 +103,13 @@ class MetaStudy:
     pairwise: pd.DataFrame
     held_out: pd.DataFrame
     params: dict[str, Any] = field(default_factory=dict)
+    outcomes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    specificity: dict[str, pd.DataFrame] = field(default_factory=dict)
+    """target -> :func:`stabstudy.analysis.warning.specificity.separation` of the evaluation runs"""
+    specificity_choice: dict[str, tuple[str, str]] = field(default_factory=dict)
+    """target -> (meta-state statistic, single channel) with the largest calibration AUC"""
+    specificity_diffs: dict[str, dict[str, tuple[float, tuple[float, float], int]]] = field(default_factory=dict)
+    """target -> comparison name -> :func:`stabstudy.analysis.warning.specificity.auc_difference`"""
 
 
 def _families(info: pd.DataFrame) -> list[str]:
@@ -102,18 +119,21 @@ def _families(info: pd.DataFrame) -> list[str]:
 def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequence[int], rule: LabelRule,
             meta_features: Sequence[str] = F.LM_CHANNELS, config: MetaConfig | None = None,
             n_components: int | float = 0.9, budget: float = 1.0, horizon: int = 100, late: int = 20,
-            n_boot: int = 1000, seed: int = 0, held_out: bool = True) -> MetaStudy:
+            n_boot: int = 1000, seed: int = 0, outcome_rule: O.OutcomeRule | None = None) -> MetaStudy:
     """The whole comparison of notebook 04 on loaded runs ``ds`` (dims run, step).
 
     1. labels from the loss alone (``rule``); 2. run table with the seed split; 3. meta-state PCA
-    fitted on in-control steps of the calibration runs; 4. every detector of
+    fitted on in-control steps of the *unperturbed* calibration runs; 4. every detector of
     :func:`stabstudy.analysis.warning.evaluation.suite` streamed over every run; 5. thresholds at
-    ``budget`` false alarms per 1,000 steps on the calibration nulls, evaluation on the others;
-    6. per event family, the best single-channel (knob-free) detector and the best meta-state
-    statistic chosen on the *calibration* events (largest mean penalised lead); 7. pairwise
-    Wilcoxon tests of those meta-state statistics against every detector (Holm); 8. held-out
-    kinds: the PCA and the meta-state thresholds refitted without one perturbation kind and
-    evaluated on that kind's events.
+    ``budget`` false alarms per 1,000 steps on the unperturbed calibration runs, evaluation on the
+    others (*sensitivity*); 6. per event family, the best single-channel (knob-free) detector and
+    the best meta-state statistic chosen on the *calibration* events (largest mean penalised
+    lead); 7. pairwise Wilcoxon tests of those meta-state statistics against every detector
+    (Holm); 8. outcome classes against the unperturbed ensemble (``outcome_rule``); 9. *collapse
+    specificity* among perturbed runs, per target of :data:`TARGETS`, the detectors chosen by
+    their calibration AUC; 10. held-out kinds (:func:`held_out_kinds`).
+
+    Nothing of a perturbed run enters a threshold or the PCA, so both are blind to every kind.
     """
     config = config or MetaConfig()
     kinds = kinds_of(specs)
@@ -121,7 +141,8 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     labels = label_runs(ds, rule)
     info = E.run_info(ds, labels, calibration_seeds)
     cal = info[info.split == "calibration"]
-    pca = E.fit_meta(ds, cal, meta_features, config, kinds, burn_in, horizon, n_components)
+    cal_null = E.null_runs(info, "calibration")
+    pca = E.fit_meta(ds, cal_null, meta_features, config, kinds, burn_in, horizon, n_components)
     meta = E.meta_streams(ds, meta_features, pca, config, kinds)
     dspecs = E.suite(kinds, meta_features, window=config.window, ewma=config.ewma, clip=config.clip,
                      lambda_max=bool(np.isfinite(ds["lambda_max"].values).any()) if "lambda_max" in ds else False)
@@ -131,49 +152,77 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     cal_leads = E.leads(scores, cal, ev.thresholds, horizon=horizon, late=late, burn_in=burn_in)
     singles = [s.name for s in dspecs if s.family == "single"]
     metas = [s.name for s in dspecs if s.family == "meta"]
+    best_single, best_meta = choose(cal, cal_leads, singles, metas, late)
+    pw = E.pairwise(ev.leads, metas, late)
+    outcomes = O.classify(ds, info, cal_null.index, outcome_rule or O.OutcomeRule(burn_in=burn_in))
+    spec_tables, spec_choice, spec_diffs = {}, {}, {}
+    pert = info[info.kind != "none"]
+    for target, classes in TARGETS.items():
+        y = outcomes.outcome.isin(classes)
+        windows = S.window_scores(scores, info, S.spans(pert[pert.split == "calibration"], y))
+        on_cal = S.separation(windows.loc[pert[pert.split == "calibration"].index], info, y, ev.thresholds,
+                              singles + metas, n_boot=0)
+        m, s1 = (str(on_cal.auc.reindex(c).fillna(-np.inf).idxmax()) for c in (metas, singles))
+        ev_rows = windows.loc[pert[pert.split == "evaluation"].index]
+        spec_choice[target] = (m, s1)
+        spec_tables[target] = S.separation(ev_rows, info, y, ev.thresholds, list(dict.fromkeys([m, s1, LOSS])),
+                                           n_boot=n_boot, seed=seed)
+        spec_diffs[target] = {other: S.auc_difference(ev_rows, info, y, m, other, n_boot=n_boot, seed=seed)
+                              for other in (s1, LOSS)}
+    ho = held_out_kinds(info, cal_leads, ev.leads, singles, metas, late)
+    params = {"budget": budget, "horizon": horizon, "late": late, "burn_in": burn_in, "kinds": kinds,
+              "n_null_calibration": len(cal_null), "n_null_evaluation": len(E.null_runs(info, "evaluation")),
+              **clip_bounds(pca, config)}
+    return MetaStudy(info, pca, meta, scores, dspecs, ev, cal_leads, best_single, best_meta, pw, ho, params,
+                     outcomes, spec_tables, spec_choice, spec_diffs)
+
+
+def choose(cal: pd.DataFrame, cal_leads: pd.DataFrame, singles: Sequence[str], metas: Sequence[str],
+           late: int) -> tuple[dict[str, str], dict[str, str]]:
+    """Per event family of ``cal``'s events (and ``all``): the single channel and the meta-state
+    statistic with the largest mean penalised lead on those calibration events."""
     best_single, best_meta = {}, {}
-    for fam in _families(info):
+    for fam in _families(cal):
         rows = cal[cal.event & ((cal.family == fam) | (fam == "all"))].index
         best_single[fam] = E.best(cal_leads.loc[rows], singles, late)
         best_meta[fam] = E.best(cal_leads.loc[rows], metas, late)
-    pw = E.pairwise(ev.leads, metas, late)
-    ho = held_out_kinds(ds, info, meta_features, config, kinds, pca, scores, ev.thresholds, budget=budget,
-                        horizon=horizon, late=late, burn_in=burn_in, n_components=n_components) if held_out else pd.DataFrame()
-    params = {"budget": budget, "horizon": horizon, "late": late, "burn_in": burn_in, "kinds": kinds}
-    return MetaStudy(info, pca, meta, scores, dspecs, ev, cal_leads, best_single, best_meta, pw, ho, params)
+    return best_single, best_meta
 
 
-def held_out_kinds(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[str], config: MetaConfig,
-                   kinds: Sequence[str], pca_all: PCAModel, scores_all: xr.DataArray, thresholds_all: pd.Series, *,
-                   budget: float, horizon: int, late: int, burn_in: int, n_components: int | float) -> pd.DataFrame:
-    """For each perturbation kind with evaluation events: the meta-state refitted (PCA and thresholds)
-    on the calibration runs of the *other* kinds and the unperturbed runs, against the fit on all
-    kinds, on that kind's evaluation events (the refits use the batch replay, equal to the stream).
+def clip_bounds(pca: PCAModel, config: MetaConfig) -> dict[str, float]:
+    """The largest T^2 and Q the clipped z-scores can reach: ``|z| <= clip`` per channel (and its
+    EWMA too), so ``||z - mean|| <= sqrt(d) clip + ||mean||``, T^2 at most that squared over the
+    smallest retained variance and Q at most that squared. A threshold at or above its bound
+    would mean the clip, not the data, decides the alarms."""
+    r = np.sqrt(len(pca.features)) * config.clip + float(np.linalg.norm(pca.mean))
+    return {"t2_bound": float(r * r / pca.variances.min()), "q_bound": float(r * r)}
 
-    Columns: ``kind, stat, fit`` (``all kinds`` | ``without <kind>``), ``n_events, n_detected,
-    lead_median`` (over detected events), ``n_fit`` (in-control rows of the PCA).
+
+def held_out_kinds(info: pd.DataFrame, cal_leads: pd.DataFrame, ev_leads: pd.DataFrame, singles: Sequence[str],
+                   metas: Sequence[str], late: int) -> pd.DataFrame:
+    """Each perturbation kind with evaluation events, held out for real.
+
+    Thresholds and the PCA never see a perturbed run (:func:`analyse`), so the only thing a kind
+    could teach is which detector and statistic to trust: here both are chosen on the calibration
+    events of the *other* kinds, then scored once on the held-out kind's evaluation events.
+
+    Columns: ``kind, meta, single`` (chosen without it), ``n_events, meta_detected,
+    single_detected, meta_lead, single_lead`` (median penalised leads, steps) and ``meta_pen``,
+    ``single_pen`` (the penalised leads, for the paired claim).
     """
     rows = []
-    ev_all = info[(info.split == "evaluation") & info.event]
-    for kind in sorted(k for k in ev_all.kind.unique() if k != "none"):
-        target = ev_all[ev_all.kind == kind]
-        fit_info = info[(info.split == "calibration") & (info.kind != kind)]
-        pca = E.fit_meta(ds, fit_info, meta_features, config, kinds, burn_in, horizon, n_components)
-        sub = info[(info.kind != kind) | (info.split == "evaluation")]
-        meta = E.meta_replay(ds.sel(run=sub.index.values), meta_features, pca, config, kinds)
-        row = {r: i for i, r in enumerate(meta["run"].values)}
-        cal_null = sub[(sub.split == "calibration") & ~sub.event]
-        segs = {row[r]: ab for r, ab in E.event_free(cal_null, burn_in, horizon).items()}
-        for stat in E.META_STATS:
-            name = f"meta-state {stat}"
-            s = meta[stat].expand_dims(detector=[name])
-            thr = pd.Series({name: E.calibrate(s.sel(detector=name).values, segs, budget)})
-            for fit, sc, th, n_fit in (("all kinds", scores_all, thresholds_all, pca_all.n_fit),
-                                       (f"without {kind}", s, thr, pca.n_fit)):
-                ld = E.leads(sc.sel(detector=[name]), target, th, horizon=horizon, late=late, burn_in=burn_in)[name]
-                rows.append({"kind": kind, "stat": stat, "fit": fit, "n_events": len(target),
-                             "n_detected": int(ld.notna().sum()), "lead_median": float(ld.median()),
-                             "threshold": float(th[name]), "n_fit": n_fit})
+    ev = info[(info.split == "evaluation") & info.event]
+    cal = info[(info.split == "calibration") & info.event]
+    for kind in sorted(k for k in ev.kind.unique() if k != "none"):
+        others = cal[cal.kind != kind].index
+        m, s1 = E.best(cal_leads.loc[others], metas, late), E.best(cal_leads.loc[others], singles, late)
+        target = ev[ev.kind == kind].index
+        pen = E.penalised(ev_leads.loc[target, [m, s1]], late)
+        rows.append({"kind": kind, "meta": m, "single": s1, "n_events": len(target),
+                     "meta_detected": int(ev_leads.loc[target, m].notna().sum()),
+                     "single_detected": int(ev_leads.loc[target, s1].notna().sum()),
+                     "meta_lead": float(pen[m].median()), "single_lead": float(pen[s1].median()),
+                     "meta_pen": pen[m].to_numpy(float), "single_pen": pen[s1].to_numpy(float)})
     return pd.DataFrame(rows)
 
 
@@ -185,6 +234,7 @@ def detector_table(study: MetaStudy) -> pd.DataFrame:
     out = {}
     for det, g in t.groupby("detector", sort=False):
         row: dict[str, Any] = {"family": g.family.iloc[0], "FA/1k": round(float(g.fa_per_1k.iloc[0]), 2),
+                               "null runs": int(g.n_null.iloc[0]) if "n_null" in g else np.nan,
                                "in alarm %": round(100 * float(g.in_alarm.iloc[0]), 1)}
         for _, r in g.iterrows():
             fam = r.events
@@ -198,18 +248,19 @@ def detector_table(study: MetaStudy) -> pd.DataFrame:
 
 def tradeoff(study: MetaStudy, budgets: Sequence[float], detectors: Sequence[str]) -> pd.DataFrame:
     """Lead time against false alarms: per detector and budget (per 1,000 steps), thresholds
-    recalibrated on the calibration nulls, then on the evaluation runs the false alarms per 1,000
-    event-free steps, the detection rate and the median penalised lead, per event family.
+    recalibrated on the unperturbed calibration runs, then the false alarms per 1,000 event-free
+    steps of the unperturbed evaluation runs, the detection rate and the median penalised lead, per event family.
 
     Columns: ``detector, budget, events, fa_per_1k, rate, lead_median``.
     """
     p, info, sc = study.params, study.info, study.scores
     runs = list(sc["run"].values)
     row = {r: i for i, r in enumerate(runs)}
-    cal_null = info[(info.split == "calibration") & ~info.event]
     ev_info = info[info.split == "evaluation"]
-    cal_seg = {row[r]: ab for r, ab in E.event_free(cal_null, p["burn_in"], p["horizon"]).items()}
-    ev_seg = {row[r]: ab for r, ab in E.event_free(ev_info, p["burn_in"], p["horizon"]).items()}
+    cal_seg = {row[r]: ab for r, ab in E.event_free(E.null_runs(info, "calibration"), p["burn_in"],
+                                                     p["horizon"]).items()}
+    ev_seg = {row[r]: ab for r, ab in E.event_free(E.null_runs(info, "evaluation"), p["burn_in"],
+                                                    p["horizon"]).items()}
     rows = []
     for det in detectors:
         s = sc.sel(detector=det).values
@@ -256,14 +307,20 @@ def aligned(study: MetaStudy, ds: xr.Dataset, detectors: Sequence[str], family: 
 
 
 def claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
-    """The claims of notebook 04 (before Holm: pass them to :func:`stabstudy.analysis.claims.table`).
+    """The claims of notebook 04 (before Holm: pass them to :func:`stabstudy.analysis.claims.table`):
+    :func:`sensitivity_claims`, :func:`specificity_claims` and :func:`held_out_claims`."""
+    return [*sensitivity_claims(study, alpha), *specificity_claims(study), *held_out_claims(study, alpha)]
+
+
+def sensitivity_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
+    """Sensitivity, at one false-alarm budget set on unperturbed runs, about blow-ups (the label):
 
     * per event family: the best meta-state statistic warns earlier than the best single channel,
-      both chosen on the calibration events, thresholds at the same budget (paired over the
-      evaluation events, Wilcoxon signed-rank, a miss scored as the worst lead);
+      both chosen on the calibration events (paired over the evaluation events, Wilcoxon
+      signed-rank, a miss scored as the worst lead);
     * per family: the meta-state alarms before the performance label (paired lead against 0);
-    * the meta-state stays quiet on the evaluation null runs: per-run false alarms per 1,000
-      steps below the budget (paired t-test of the rates against the budget).
+    * the meta-state stays quiet on the unperturbed evaluation runs: per-run false alarms per
+      1,000 steps below the budget (t-test of the rates against the budget, over those runs).
     A family with no evaluation events is "not tested".
     """
     info, ev, late = study.info, study.evaluation, study.params["late"]
@@ -288,11 +345,109 @@ def claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
         out.append(c)
     m = study.best_meta["all"]
     budget = study.params["budget"]
-    fa = ev.fa_runs[m].to_numpy(float)
-    out.append(C.paired_difference(f"the meta-state ({m}) stays quiet on null runs: false alarms per 1,000 steps "
-                                   f"below the budget of {budget:g}", "our own", fa, np.full(fa.size, budget),
+    fa = ev.fa_runs[m].to_numpy(float) if m in ev.fa_runs else np.empty(0)
+    out.append(C.paired_difference(f"the meta-state ({m}) stays quiet on unperturbed runs: false alarms per 1,000 "
+                                   f"steps below the budget of {budget:g}", "our own", fa, np.full(fa.size, budget),
                                    direction="less", test="ttest", alpha=alpha))
     return out
+
+
+def specificity_claims(study: MetaStudy) -> list[C.Claim]:
+    """Collapse specificity among the perturbed evaluation runs, per target of :data:`TARGETS`
+    (seed-bootstrap intervals, :mod:`stabstudy.analysis.warning.specificity`):
+
+    * the meta-state statistic chosen on the calibration runs separates runs that will reach the
+      target from those that will not, before the label (ROC-AUC above 0.5);
+    * it separates them better than the best single channel, and better than the loss itself
+      (difference of AUC above 0).
+    A target that no evaluation run (or every one) reaches is "not tested".
+    """
+    out = []
+    for target in TARGETS:
+        tab = study.specificity.get(target)
+        where = f"(perturbed runs, outcome: {target})"
+        if tab is None or tab.empty or not (tab.n_pos.iloc[0] and tab.n_neg.iloc[0]):
+            why = "no perturbed evaluation run" if tab is None or tab.empty else (
+                f"{int(tab.n_pos.iloc[0])} runs reach the outcome and {int(tab.n_neg.iloc[0])} do not: "
+                "both are needed")
+            out.append(C.not_tested(f"the meta-state tells collapsing from surviving runs {where}", SOURCE, why))
+            continue
+        m, s1 = study.specificity_choice[target]
+        r = tab.loc[m]
+        n = int(r.n_seeds)
+        out.append(C.interval_above(f"the meta-state ({m}) tells collapsing from surviving runs before the label "
+                                    f"{where}: ROC-AUC above 0.5", SOURCE, r.auc, (r.auc_lo, r.auc_hi), n,
+                                    above=0.5, test="ROC-AUC, seed bootstrap"))
+        for other, (d, ci, n_d) in study.specificity_diffs[target].items():
+            out.append(C.interval_above(f"the meta-state ({m}) tells collapsing from surviving runs better than "
+                                        f"{'the loss' if other == LOSS else 'the best single channel (' + other + ')'} "
+                                        f"{where}: AUC difference above 0", SOURCE, d, ci, n_d, above=0.0,
+                                        test="AUC difference, seed bootstrap"))
+    return out
+
+
+def held_out_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
+    """Per held-out kind (:func:`held_out_kinds`): the meta-state chosen without that kind warns
+    earlier than the single channel chosen without it, on its evaluation events (Wilcoxon)."""
+    return [C.paired_difference(f"held-out kind {r.kind}: the meta-state ({r.meta}) warns earlier than the best "
+                                f"single channel ({r.single}), both chosen without {r.kind}", SOURCE, r.meta_pen,
+                                r.single_pen, direction="greater", test="wilcoxon", alpha=alpha)
+            for r in study.held_out.itertuples()] if len(study.held_out) else []
+
+
+def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -> pd.DataFrame:
+    """How often :func:`sensitivity_claims` keep their verdict when the calibration seeds are resampled.
+
+    Each resample draws the calibration seeds with replacement, recalibrates every single-channel
+    and meta-state threshold on the drawn seeds' unperturbed runs, re-chooses the best detectors on
+    their events, and re-scores the evaluation runs (Holm within the sensitivity claims, as for the
+    point verdict here). Columns: ``claim`` (as at the point estimate), ``verdict``, ``same`` (share
+    of resamples with that verdict), ``n_resamples``.
+    """
+    info, p, sc = study.info, study.params, study.scores
+    late, horizon, burn_in, budget = p["late"], p["horizon"], p["burn_in"], p["budget"]
+    dets = [s.name for s in study.specs if s.family in ("single", "meta")]
+    arr = sc.sel(detector=dets).transpose("detector", "run", "step").values
+    row = {r: i for i, r in enumerate(sc["run"].values)}
+    cal_null = E.null_runs(info, "calibration")
+    segs = E.event_free(cal_null, burn_in, horizon)
+    pairs = {(d, r): E._pairs(arr[k], {row[r]: segs[r]}) for k, d in enumerate(dets) for r in cal_null.index}
+    cal = info[info.split == "calibration"]
+    ev_info = info[info.split == "evaluation"]
+    ev_null = E.null_runs(info, "evaluation")
+    free = E.event_free(ev_null, burn_in, horizon)
+    base = C.table(sensitivity_claims(study))
+    singles = [s.name for s in study.specs if s.family == "single"]
+    metas = [s.name for s in study.specs if s.family == "meta"]
+    rng = np.random.default_rng(seed)
+    seeds = np.unique(cal.seed)
+    same = np.zeros(len(base))
+    for _ in range(n_resamples):
+        draw = rng.choice(seeds, size=seeds.size, replace=True)
+        nulls = [r for u in draw for r in cal_null.index[cal_null.seed == u]]
+        thr = pd.Series({d: E.threshold_for(*(np.concatenate([pairs[d, r][i] for r in nulls]) for i in (0, 1)),
+                                            sum(pairs[d, r][2] for r in nulls), budget) if nulls else np.inf
+                         for d in dets})
+        drawn = [r for u in draw for r in cal.index[cal.seed == u]]
+        ld = E.leads(sc.sel(detector=dets), cal.loc[sorted(set(drawn))], thr, horizon=horizon, late=late,
+                     burn_in=burn_in)
+        rep = cal.loc[drawn]
+        rep = rep[rep.event]  # one row per drawn event, a seed drawn twice counting twice
+        best_single, best_meta = choose(rep.reset_index(drop=True), ld.loc[rep.index].reset_index(drop=True),
+                                        singles, metas, late)
+        best_single = {**study.best_single, **best_single}
+        best_meta = {**study.best_meta, **best_meta}
+        leads = E.leads(sc.sel(detector=dets), ev_info, thr, horizon=horizon, late=late, burn_in=burn_in)
+        fa = pd.DataFrame({d: [1000.0 * c / n if n else np.nan for c, n in
+                               (E.count_alarms(arr[k], thr[d], {row[r]: free[r]}) for r in ev_null.index)]
+                           for k, d in enumerate(dets)}, index=ev_null.index)
+        b = replace(study, evaluation=replace(study.evaluation, thresholds=thr, leads=leads,
+                                              fa_runs=fa.loc[~ev_null.event.to_numpy()]),
+                    best_single=best_single, best_meta=best_meta)
+        verdicts = C.table(sensitivity_claims(b)).verdict.to_numpy()
+        same += verdicts == base.verdict.to_numpy()
+    return pd.DataFrame({"claim": base.claim, "verdict": base.verdict, "same": same / max(n_resamples, 1),
+                         "n_resamples": n_resamples})
 
 
 def pre_onset_drift(ds: xr.Dataset, info: pd.DataFrame, horizon: int, burn_in: int, width: int = 10) -> pd.DataFrame:

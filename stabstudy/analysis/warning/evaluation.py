@@ -5,17 +5,25 @@ Protocol (every step index below is an optimizer update):
 
 1. every detector of a :func:`suite` is fed each run step by step (:func:`score_runs`);
 2. its threshold is the lowest one whose alarms (up-crossings: the score rising above the
-   threshold) on the *calibration* null runs stay within ``budget`` per 1,000 steps
-   (:func:`calibrate`); the split is by seed, so no trajectory is used twice;
+   threshold) on the *calibration* unperturbed runs stay within ``budget`` per 1,000 steps
+   (:func:`calibrate`). Only runs where nothing was done count as the null (column ``null`` of
+   :func:`run_info`): a perturbed run that did not collapse still moves every channel, and its
+   steps before the perturbation are bit-identical to its unperturbed twin, so counting them
+   would count the same steps once per perturbation. The split is by seed, so no trajectory is
+   used twice;
 3. on the *evaluation* runs, an event is detected when the first alarm falls in its warning
    window ``[warn_from, onset + late]``, ``warn_from = max(onset - horizon, perturbation start)``
    (an alarm before the perturbation cannot be a warning of what it causes; lead = onset - alarm
-   step, negative when late); false alarms are up-crossings in event-free steps (null runs, and
-   event runs before ``warn_from``), per 1,000 such steps; ROC-AUC compares the detector's largest
-   score over ``[warn_from, onset]`` with a window as long, ending at the median onset of the same
-   family's events, of each null run (:func:`window_max`, :func:`evaluate`);
+   step, negative when late); false alarms are up-crossings on the evaluation unperturbed runs,
+   per 1,000 of their event-free steps, and the table says how many such runs (the independent
+   unit) there were; ROC-AUC compares the detector's largest score over ``[warn_from, onset]``
+   with a window as long, ending at the median onset of the same family's events, of each
+   unperturbed run (:func:`window_max`, :func:`evaluate`);
 4. lead times of two detectors are compared over the same events with the Wilcoxon signed-rank
    test, a missed event counting as the worst lead ``-(late + 1)`` (:func:`pairwise`).
+
+Whether a score tells the perturbed runs that will collapse from those that will not is a
+separate question, answered among perturbed runs only (:mod:`stabstudy.analysis.warning.specificity`).
 
 Steps before ``burn_in`` count for nothing (the loss falls fastest there).
 """
@@ -187,9 +195,12 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
 
 def run_info(ds: xr.Dataset, labels: pd.DataFrame, calibration_seeds: Sequence[int]) -> pd.DataFrame:
     """One row per run (index run): ``seed, kind, dose, start, duration, family, event, onset, end``
-    (steps with a finite loss) and ``split`` (``calibration`` when the seed is in
-    ``calibration_seeds``, else ``evaluation``); ``labels`` from
+    (steps with a finite loss), ``split`` (``calibration`` when the seed is in
+    ``calibration_seeds``, else ``evaluation``) and ``null``: nothing was done to the run (no
+    perturbation, and the hyperparameters of the perturbed runs, so a spontaneous family's other
+    configuration is not the null); ``labels`` from
     :func:`stabstudy.analysis.warning.labels.label_runs`."""
+    hp = sorted(v for v in ds.data_vars if str(v).startswith("hp_"))
     rows = []
     for run in ds["run"].values:
         kind = str(ds["pert_kind"].sel(run=run).values)
@@ -201,8 +212,20 @@ def run_info(ds: xr.Dataset, labels: pd.DataFrame, calibration_seeds: Sequence[i
                      "duration": float(ds["pert_duration"].sel(run=run).values),
                      "family": FAMILY.get(kind, "shock"), "event": bool(labels.loc[run, "event"]),
                      "onset": int(labels.loc[run, "onset"]), "end": int(fin[-1] + 1) if fin.size else 0,
-                     "split": "calibration" if seed in set(calibration_seeds) else "evaluation"})
-    return pd.DataFrame(rows).set_index("run")
+                     "split": "calibration" if seed in set(calibration_seeds) else "evaluation",
+                     "config": repr([ds[v].sel(run=run).values.item() for v in hp])})
+    info = pd.DataFrame(rows).set_index("run")
+    perturbed = info[info.kind != "none"]
+    base = (perturbed if len(perturbed) else info).config.mode().iloc[0]
+    info["null"] = (info.kind == "none") & (info.config == base)
+    return info.drop(columns="config")
+
+
+def null_runs(info: pd.DataFrame, split: str) -> pd.DataFrame:
+    """The unperturbed runs of ``split`` (``null`` of :func:`run_info`; without that column, every
+    run of kind ``none``)."""
+    null = info["null"] if "null" in info else info.kind == "none"
+    return info[null & (info.split == split)]
 
 
 def warn_from(x: pd.Series, horizon: int, burn_in: int) -> int:
@@ -252,7 +275,12 @@ def time_in_alarm(scores: np.ndarray, threshold: float, segments: dict[int, tupl
 def calibrate(scores: np.ndarray, segments: dict[int, tuple[int, int]], budget: float = 1.0) -> float:
     """The lowest threshold whose up-crossings over ``segments`` are at most ``budget`` per 1,000
     steps, at that threshold and every higher one (inf when the detector never scores)."""
-    lo, hi, n = _pairs(scores, segments)
+    return threshold_for(*_pairs(scores, segments), budget)
+
+
+def threshold_for(lo: np.ndarray, hi: np.ndarray, n: int, budget: float = 1.0) -> float:
+    """:func:`calibrate` from the step pairs of :func:`_pairs` (so that a resample of runs can
+    concatenate the pairs of the runs it draws)."""
     seen = hi[np.isfinite(hi)]
     keep = lo < hi
     lo, hi = np.sort(lo[keep]), np.sort(hi[keep])
@@ -279,12 +307,13 @@ def leads(scores: xr.DataArray, info: pd.DataFrame, thresholds: pd.Series, *, ho
     detector (columns) on every event run of ``info`` (rows)."""
     ev = info[info.event]
     out = pd.DataFrame(np.nan, index=ev.index, columns=scores["detector"].values)
-    for det in out.columns:
-        s = scores.sel(detector=det)
-        for run, x in ev.iterrows():
-            t = first_alarm(s.sel(run=run).values, thresholds[det], warn_from(x, horizon, burn_in), x.onset + late)
+    vals = scores.transpose("detector", "run", "step").sel(run=ev.index.values).values
+    for i, (_, x) in enumerate(ev.iterrows()):
+        a = warn_from(x, horizon, burn_in)
+        for k, det in enumerate(out.columns):
+            t = first_alarm(vals[k, i], thresholds[det], a, x.onset + late)
             if t >= 0:
-                out.loc[run, det] = x.onset - t
+                out.iat[i, k] = x.onset - t
     return out
 
 
@@ -373,25 +402,27 @@ class Evaluation:
 def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorSpec], *, budget: float = 1.0,
              horizon: int = 100, late: int = 20, burn_in: int = 50, n_boot: int = 1000, seed: int = 0,
              thresholds: pd.Series | None = None) -> Evaluation:
-    """Calibrate on the calibration nulls (unless ``thresholds`` are given), then score the
-    evaluation runs (module docstring). ``table`` columns: ``detector, family`` (of the detector),
-    ``events`` (event family), ``n_events, n_detected, rate, rate_lo, rate_hi`` (Clopper-Pearson),
-    ``lead_median, lead_lo, lead_hi`` (bootstrap over detected events), ``fa_per_1k`` (evaluation
-    event-free steps), ``in_alarm`` (share of those steps above the threshold), ``auc, auc_lo,
-    auc_hi``, ``threshold``."""
+    """Calibrate on the calibration unperturbed runs (unless ``thresholds`` are given), then score
+    the evaluation runs (module docstring). ``table`` columns: ``detector, family`` (of the
+    detector), ``events`` (event family), ``n_events, n_detected, rate, rate_lo, rate_hi``
+    (Clopper-Pearson), ``lead_median, lead_lo, lead_hi`` (bootstrap over detected events),
+    ``fa_per_1k`` (event-free steps of the evaluation unperturbed runs), ``n_null`` (those runs:
+    the independent unit of the false-alarm rate), ``in_alarm`` (share of those steps above the
+    threshold), ``auc, auc_lo, auc_hi``, ``threshold``."""
     from stabstudy.analysis.claims import rate_ci
 
     runs = list(scores["run"].values)
     row = {r: i for i, r in enumerate(runs)}
-    cal = info[(info.split == "calibration") & ~info.event]
+    cal = null_runs(info, "calibration")
     ev_info = info[info.split == "evaluation"]
-    free = event_free(ev_info, burn_in, horizon)
+    nulls = null_runs(info, "evaluation")
+    free = event_free(nulls, burn_in, horizon)
     if thresholds is None:
         segs = {row[r]: ab for r, ab in event_free(cal, burn_in, horizon).items()}
         thresholds = pd.Series({d: calibrate(scores.sel(detector=d).values, segs, budget)
                                 for d in scores["detector"].values})
     lead = leads(scores, ev_info, thresholds, horizon=horizon, late=late, burn_in=burn_in)
-    nulls = ev_info[~ev_info.event]
+    nulls = nulls[~nulls.event]
     fa_runs = pd.DataFrame(np.nan, index=nulls.index, columns=scores["detector"].values)
     win = {}
     kind_of = {s.name: s.family for s in specs}
@@ -407,7 +438,7 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
         for fam in ["all", *sorted(ev_info[ev_info.event].family.unique())]:
             evs = ev_info[ev_info.event & ((ev_info.family == fam) | (fam == "all"))]
             if fam not in win:
-                win[fam] = window_max(scores, ev_info, horizon, burn_in, events=evs)
+                win[fam] = window_max(scores, pd.concat([evs, nulls]), horizon, burn_in, events=evs)
             ld = lead.loc[evs.index, det].to_numpy(float)
             hit = int(np.isfinite(ld).sum())
             lo, hi = rate_ci(hit, len(evs))
@@ -418,6 +449,7 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
                          "n_detected": hit, "rate": hit / len(evs) if len(evs) else np.nan, "rate_lo": lo,
                          "rate_hi": hi, "lead_median": med, "lead_lo": mlo, "lead_hi": mhi,
                          "fa_per_1k": 1000.0 * n_fa / n_steps if n_steps else np.nan, "in_alarm": on,
+                         "n_null": len(nulls),
                          "auc": a, "auc_lo": alo,
                          "auc_hi": ahi, "threshold": thresholds[det]})
     return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win)

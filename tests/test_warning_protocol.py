@@ -1,0 +1,251 @@
+"""The early-warning protocol of notebook 04: a clean null, outcome classes, collapse specificity,
+held-out kinds and resample stability, on constructed runs where the answer is known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+
+from stabstudy.analysis import claims as C
+from stabstudy.analysis.warning import evaluation as E
+from stabstudy.analysis.warning import outcomes as O
+from stabstudy.analysis.warning import specificity as S
+
+N = 300
+
+
+def _run(seed: int, kind: str = "none", start: float = np.nan, jump_at: int | None = None, creep: float = 0.0,
+         bump: tuple[int, int] | None = None, lr: float = 0.003, precursor: int = 0,
+         noise: int | None = None) -> xr.Dataset:
+    """A run-shaped Dataset: a noisy falling loss, optionally a lasting +2 nats blow-up at ``jump_at``,
+    a ``creep`` (nats) reached over 100 steps from ``start`` and kept, or a transient ``bump`` ``(a, b)`` of +0.25 nats;
+    telemetry noise (drawn from ``noise``, default ``seed``), with ``grad_norm`` rising ``precursor``
+    steps before the blow-up."""
+    rng = np.random.default_rng(seed if noise is None else noise)
+    t = np.arange(N, dtype=float)
+    loss = 2.5 + np.exp(-t / 40.0) + 0.02 * rng.standard_normal(N)
+    ent = 1.8 + 0.01 * rng.standard_normal(N)
+    if jump_at is not None:
+        loss[jump_at:] += 2.0
+        ent[jump_at:] = 0.01
+    if creep:  # a slow climb that the trailing band follows
+        loss += creep * np.clip((t - start) / 100.0, 0.0, 1.0)
+    if bump is not None:
+        loss[bump[0]:bump[1]] += 0.25  # below the label's 0.3-nat floor
+    g = np.exp(0.1 * rng.standard_normal(N))
+    if jump_at is not None and precursor:
+        g[jump_at - precursor:] *= 20.0
+    data = {"loss": loss, "attn_entropy_min": ent, "grad_norm": g}
+    for ch in ("xgrad", "update_grad_cos"):
+        data[ch] = np.tanh(0.1 * rng.standard_normal(N))
+    ds = xr.Dataset({k: ("step", v) for k, v in data.items()}, coords={"step": np.arange(N)})
+    return ds.assign(pert_kind=kind, pert_dose=1.0 if kind != "none" else np.nan, pert_start=start,
+                     pert_duration=10.0 if kind != "none" else np.nan, seed=seed, hp_lr=lr)
+
+
+def _grid(runs: dict[str, xr.Dataset]) -> xr.Dataset:
+    return xr.concat(list(runs.values()), dim="run").assign_coords(run=list(runs))
+
+
+def _labels(ds: xr.Dataset) -> pd.DataFrame:
+    from stabstudy.analysis.warning.labels import LabelRule, label_runs
+
+    return label_runs(ds, LabelRule(window=50, k=6.0, min_excess=0.3, persist=20, burn_in=50))
+
+
+# -- the null ---------------------------------------------------------------------------------------
+
+
+def test_the_null_is_the_unperturbed_runs_of_the_perturbed_runs_configuration():
+    ds = _grid({"u0": _run(0), "p0": _run(0, "lr_spike", 150.0), "s0": _run(0, lr=0.02), "u1": _run(1)})
+    info = E.run_info(ds, _labels(ds), calibration_seeds=[0])
+    assert info.null.to_dict() == {"u0": True, "p0": False, "s0": False, "u1": True}
+    assert list(E.null_runs(info, "calibration").index) == ["u0"]
+
+
+def test_thresholds_are_calibrated_on_unperturbed_runs_only():
+    """A perturbed calibration run that never collapses but moves the score must not set the threshold."""
+    n, rng = 200, np.random.default_rng(0)
+    s = rng.standard_normal((4, n))
+    s[1, 120:] += 50.0  # the perturbed, surviving run
+    scores = xr.DataArray(s[None], dims=("detector", "run", "step"),
+                          coords={"detector": ["d"], "run": ["u0", "p0", "u1", "p1"], "step": np.arange(n)})
+    info = pd.DataFrame({"seed": [0, 0, 1, 1], "kind": ["none", "lr_spike"] * 2, "dose": np.nan,
+                         "start": [np.nan, 100.0] * 2, "duration": np.nan, "family": ["spontaneous", "shock"] * 2,
+                         "event": False, "onset": -1, "end": n, "split": ["calibration"] * 2 + ["evaluation"] * 2,
+                         "null": [True, False] * 2}, index=scores["run"].values)
+    ev = E.evaluate(scores, info, [E.DetectorSpec("d", "x", "single", lambda: None)], budget=5.0, horizon=20,
+                    late=5, burn_in=10, n_boot=50)
+    assert ev.thresholds["d"] < 10.0  # with p0 in the null it would sit near 50
+    row = ev.table.iloc[0]
+    assert row.n_null == 1  # false alarms count on the unperturbed evaluation run alone
+    assert list(ev.fa_runs.index) == ["u1"]
+
+
+# -- outcome classes ------------------------------------------------------------------------------------
+
+
+def _outcome_grid():
+    runs = {f"u{s}": _run(s) for s in range(6)}
+    runs |= {"boom": _run(10, "lr_spike", 150.0, jump_at=160), "creep": _run(11, "lr_ramp", 150.0, creep=0.4),
+             "back": _run(12, "lr_spike", 150.0, bump=(155, 200)), "calm": _run(13, "lr_spike", 150.0)}
+    ds = _grid(runs)
+    info = E.run_info(ds, _labels(ds), calibration_seeds=range(4))
+    return ds, info
+
+
+def test_outcome_classes_see_silent_failures():
+    ds, info = _outcome_grid()
+    ref = [f"u{s}" for s in range(4)]
+    out = O.classify(ds, info, ref)
+    assert out.outcome[["boom", "creep", "back", "calm"]].tolist() == list(O.OUTCOMES)
+    assert set(out.outcome[ref]) == {"unaffected"}  # the band is as wide as the reference runs' spread
+    assert bool(out.entropy_collapse["boom"]) and not out.entropy_collapse[["creep", "calm"]].any()
+    assert out.final_excess["creep"] == pytest.approx(0.4, abs=0.05)
+
+
+def test_outcome_classes_need_a_reference_and_go_nan_without_entropy():
+    ds, info = _outcome_grid()
+    with pytest.raises(ValueError, match="at least 2"):
+        O.classify(ds, info, ["u0"])
+    out = O.classify(ds.drop_vars("attn_entropy_min"), info, ["u0", "u1"])
+    assert out.entropy_collapse.isna().all()
+    with pytest.raises(ValueError, match="invalid outcome rule"):
+        O.OutcomeRule(margin=0.0)
+
+
+# -- collapse specificity -------------------------------------------------------------------------------
+
+
+def _specificity_case(separates: bool, n_seeds: int = 6, after_onset_only: bool = False):
+    """Per seed, two perturbed runs starting at 100: one collapses at 140, one survives. The
+    score rises in [100, 140) on the collapsing run when ``separates``; with ``after_onset_only``
+    it rises only from the onset on."""
+    rng = np.random.default_rng(1)
+    runs, rows, vals = [], [], []
+    for s in range(n_seeds):
+        for collapse in (True, False):
+            v = rng.standard_normal(N)
+            if collapse and separates:
+                v[120:140] += 5.0
+            if collapse and after_onset_only:
+                v[140:] += 50.0
+            name = f"s{s}{'c' if collapse else 'n'}"
+            runs.append(name)
+            vals.append(v)
+            rows.append({"seed": s, "kind": "lr_spike", "start": 100.0, "duration": 10.0, "family": "shock",
+                         "event": collapse, "onset": 140 if collapse else -1, "end": N,
+                         "split": "evaluation"})
+    scores = xr.DataArray(np.stack(vals)[None], dims=("detector", "run", "step"),
+                          coords={"detector": ["d"], "run": runs, "step": np.arange(N)})
+    info = pd.DataFrame(rows, index=runs)
+    return scores, info, info.event.copy()
+
+
+def test_specificity_separates_when_the_score_rises_before_the_collapse():
+    scores, info, y = _specificity_case(separates=True)
+    span = S.spans(info, y)
+    assert span == {"shock": 40}
+    sep = S.separation(S.window_scores(scores, info, span), info, y, pd.Series({"d": 3.0}), ["d"], n_boot=200)
+    r = sep.loc["d"]
+    assert r.auc == 1.0 and r.auc_lo == pytest.approx(1.0) and r.n_seeds == 6 and r.precision == 1.0 and r.recall == 1.0
+    c = C.interval_above("sep", "our own", r.auc, (r.auc_lo, r.auc_hi), int(r.n_seeds), above=0.5, test="AUC")
+    assert c.verdict == "supported"
+
+
+def test_specificity_ignores_what_comes_after_the_label():
+    scores, info, y = _specificity_case(separates=False, after_onset_only=True)
+    sep = S.separation(S.window_scores(scores, info, S.spans(info, y)), info, y, pd.Series({"d": 3.0}), ["d"],
+                       n_boot=200)
+    assert sep.loc["d"].auc < 0.9  # the jump after the onset is not seen
+
+
+def test_specificity_interval_resamples_seeds_not_runs():
+    """Eight copies of the runs of one seed are one unit: no interval can be drawn from them."""
+    scores, info, y = _specificity_case(separates=True, n_seeds=1)
+    info = pd.concat([info.assign(seed=0)] * 8)
+    info.index = [f"{r}{i}" for i in range(8) for r in scores["run"].values]
+    scores = xr.concat([scores] * 8, dim="run").assign_coords(run=info.index.values)
+    sep = S.separation(S.window_scores(scores, info, S.spans(info, y.reindex(info.index.str[:3]).set_axis(info.index))),
+                       info, y.reindex(info.index.str[:3]).set_axis(info.index), pd.Series({"d": 3.0}), ["d"],
+                       n_boot=200)
+    r = sep.loc["d"]
+    assert r.n_seeds == 1 and np.isnan(r.auc_lo)
+    c = C.interval_above("sep", "our own", r.auc, (r.auc_lo, r.auc_hi), int(r.n_seeds), above=0.5, test="AUC")
+    assert c.verdict == "inconclusive"
+
+
+def test_interval_above_passes_fails_and_goes_untested():
+    ok = C.interval_above("c", "our own", 0.9, (0.8, 1.0), 6, above=0.5, test="AUC")
+    bad = C.interval_above("c", "our own", 0.3, (0.2, 0.45), 6, above=0.5, test="AUC")
+    straddle = C.interval_above("c", "our own", 0.6, (0.4, 0.8), 6, above=0.5, test="AUC")
+    undefined = C.interval_above("c", "our own", 0.6, (np.nan, np.nan), 6, above=0.5, test="AUC")
+    missing = C.interval_above("c", "our own", np.nan, (np.nan, np.nan), 0, above=0.5, test="AUC")
+    assert [x.verdict for x in (ok, bad, straddle, undefined, missing)] == [
+        "supported", "not supported", "inconclusive", "inconclusive", "not tested"]
+
+
+# -- the whole analysis on constructed runs -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def study():
+    """Main seeds 0-5 (calibration 0-2): an unperturbed run, a spike that collapses at 200 with a
+    grad_norm precursor 30 steps ahead, one that survives; null seeds 100-111 (calibration 100-105)."""
+    from stabstudy.analysis.studies import meta_state as M
+    from stabstudy.analysis.warning.labels import LabelRule
+    from stabstudy.online import MetaConfig
+
+    runs = {}
+    for s in range(6):
+        runs[f"u{s}"] = _run(s)
+        runs[f"c{s}"] = _run(s, "lr_spike", 150.0, jump_at=200, precursor=30, noise=s + 50)
+        runs[f"n{s}"] = _run(s, "outlier_batch", 150.0, noise=s + 70)
+    for s in range(100, 112):
+        runs[f"u{s}"] = _run(s)
+    ds = _grid(runs)
+    specs = [type("S", (), {"perturbations": ()})()]
+    rule = LabelRule(window=50, k=6.0, min_excess=0.3, persist=20, burn_in=50)
+    feats = ("grad_norm", "xgrad", "update_grad_cos", "attn_entropy_min")
+    return M.analyse(ds, specs, calibration_seeds=[0, 1, 2, *range(100, 106)], rule=rule, meta_features=feats,
+                     config=MetaConfig(window=32, min_periods=8, corr_window=16), n_components=2, budget=2.0,
+                     horizon=60, late=10, n_boot=100)
+
+
+def test_analysis_counts_the_independent_nulls_and_bounds_the_clip(study):
+    assert study.params["n_null_calibration"] == 9 and study.params["n_null_evaluation"] == 9
+    assert (study.evaluation.table.n_null == 9).all()
+    assert study.params["t2_bound"] > study.evaluation.thresholds["meta-state t2"]
+    # the bound holds for a row of z at the clip
+    from stabstudy.online.metastate import t2_q
+
+    z = np.full(len(study.pca.features), 10.0)
+    assert t2_q(z, study.pca)[0] <= study.params["t2_bound"]
+
+
+def test_analysis_outcomes_specificity_and_held_out_kinds(study):
+    from stabstudy.analysis.studies import meta_state as M
+
+    assert set(study.outcomes.outcome[[f"c{s}" for s in range(6)]]) == {"explodes"}
+    tab = study.specificity["explodes"]
+    m, single = study.specificity_choice["explodes"]
+    assert tab.loc[single].auc == 1.0  # grad_norm rises before every collapse and never on survivors
+    assert tab.loc[single].n_seeds == 3 and tab.loc[single].n_pos == 3 and tab.loc[single].n_neg == 3
+    ho = study.held_out
+    assert ho.kind.tolist() == ["lr_spike"] and ho.n_events.iloc[0] == 3
+    verdicts = C.table(M.claims(study)).set_index("claim").verdict
+    assert len(verdicts) == len(M.claims(study))
+    assert {v for c, v in verdicts.items() if "spontaneous" in c} == {"not tested"}
+
+
+def test_verdict_stability_reports_a_share_per_sensitivity_claim(study):
+    from stabstudy.analysis.studies import meta_state as M
+
+    st = M.verdict_stability(study, n_resamples=8, seed=0)
+    base = C.table(M.sensitivity_claims(study))
+    assert st.claim.tolist() == base.claim.tolist()
+    assert ((st.same >= 0) & (st.same <= 1)).all() and (st.n_resamples == 8).all()
+    # an untested claim stays untested in every resample
+    assert (st[st.verdict == "not tested"].same == 1.0).all()
