@@ -2,10 +2,13 @@
 
 A :class:`~stabstudy.spec.RunSpec` stores only the hyperparameters it was given (so
 its hash does not change when a default does not); the learner merges them over
-the dataclass defaults. :func:`validate` runs when the spec is built, so a misspelt
-or mistyped name fails at once, naming the valid fields, instead of minutes later
-on a Dask worker. Every field carries a one-line docstring (as CleanRL's ``Args``);
-:func:`field_docs` reads them for the docs and the tests. No torch import here.
+the dataclass defaults. :func:`validate` runs when the spec is built, so a misspelt,
+mistyped or out-of-range value fails at once, naming the field and the valid names,
+types or range, instead of minutes later on a Dask worker. Every field carries a
+one-line docstring (as CleanRL's ``Args``); :func:`field_docs` reads them for the docs
+and the tests. The valid range of a numeric field is declared once, in its annotation
+(``lr: Positive``, an ``Annotated`` type carrying a :class:`Range`); validation and the
+docs read it from there. No torch import here.
 """
 
 from __future__ import annotations
@@ -14,11 +17,59 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+
+@dataclass(frozen=True)
+class Range:
+    """The closed or open interval a numeric hyperparameter must lie in (``typing.Annotated`` metadata)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    lo_open: bool = False
+    """exclude ``lo`` itself"""
+    hi_open: bool = False
+    """exclude ``hi`` itself"""
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        if self.hi == math.inf:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.lo == -math.inf:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+
+
+# The ranges of the fields below; ints pass for floats, as everywhere in a spec.
+Positive = Annotated[float, Range(0, lo_open=True)]
+NonNegative = Annotated[float, Range(0)]
+Fraction = Annotated[float, Range(0, 1)]
+OpenFraction = Annotated[float, Range(0, 1, lo_open=True, hi_open=True)]
+Factor = Annotated[float, Range(0, 1, lo_open=True)]
+Beta = Annotated[float, Range(0, 1, hi_open=True)]
+Count = Annotated[int, Range(1)]
+Size = Annotated[int, Range(0)]
+
+
+def plain(value: Any) -> Any:
+    """A numpy scalar or array, or a torch tensor, as the Python scalar or list it holds; anything else as is.
+
+    Duck-typed (``tolist`` and ``ndim``) so that no torch import is needed: numpy and torch
+    values are treated alike wherever a spec takes a literal.
+    """
+    if hasattr(value, "tolist") and hasattr(value, "ndim"):
+        return value.tolist()
+    return value
+
 
 #: Closed-loop controllers and comparators a toy, LM or RL run can attach (stabstudy.interventions.control).
 ControllerName = Literal["none", "z_skip", "z_lr", "z_adam", "z_rollback", "z_clip", "olmo", "zclip", "clip1",
@@ -33,15 +84,15 @@ class ControlHParams:
 
     controller: ControllerName = "none"
     """closed-loop controller or comparator attached to the optimizer (interventions.control.CONTROLLERS)"""
-    controller_threshold: float = 0.0
+    controller_threshold: NonNegative = 0.0
     """alarm threshold of the controller's detector (0 = its default: z 6, ZClip 2.5, clip at 1.0)"""
-    controller_window: int = 64
+    controller_window: Count = 64
     """trailing steps of the controller's robust z"""
-    controller_backoff: float = 0.1
+    controller_backoff: Factor = 0.1
     """lr factor of the controller's lr back-off at an alarm"""
-    controller_recovery: int = 50
+    controller_recovery: Size = 50
     """steps over which the lr back-off recovers linearly to 1"""
-    controller_snapshot_every: int = 25
+    controller_snapshot_every: Count = 25
     """steps between the snapshots of the rollback's ring of two"""
 
 
@@ -49,47 +100,47 @@ class ControlHParams:
 class ToyHParams(ControlHParams):
     """Small MLPs for instrument calibration (learners ``gd``, ``sgd``, ``adam``)."""
 
-    lr: float = 0.05
+    lr: Positive = 0.05
     """learning rate"""
-    width: int = 64
+    width: Count = 64
     """hidden units per layer"""
-    depth: int = 2
+    depth: Size = 2
     """hidden layers"""
-    n_train: int = 512
+    n_train: Count = 512
     """training examples (full batch for gd)"""
-    n_test: int = 512
+    n_test: Count = 512
     """test examples"""
-    batch_size: int = 0
+    batch_size: Size = 0
     """minibatch size; 0 = full batch (sgd uses 64 then)"""
-    beta1: float = 0.9
+    beta1: Beta = 0.9
     """Adam beta1"""
-    beta2: float = 0.999
+    beta2: Beta = 0.999
     """Adam beta2"""
-    eps: float = 1e-8
+    eps: Positive = 1e-8
     """Adam epsilon"""
-    momentum: float = 0.0
+    momentum: Beta = 0.0
     """heavy-ball momentum for gd/sgd"""
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     """L2 (gd/sgd) or decoupled (adam: AdamW) weight decay"""
     activation: Literal["tanh", "relu", "elu", "gelu"] = "tanh"
     """hidden-layer nonlinearity"""
     loss: Literal["mse", "ce"] = "mse"
     """mse (0.5 * squared error summed over outputs) or ce (cross-entropy)"""
-    curv_iters: int = 20
+    curv_iters: Count = 20
     """Hessian-vector products per lambda_max measurement (Lanczos budget)"""
-    curv_tol: float = 1e-3
+    curv_tol: NonNegative = 1e-3
     """eigensolver relative tolerance"""
-    probe_size: int = 0
+    probe_size: Size = 0
     """curvature probe batch (0 = the whole training set)"""
-    diverge_loss: float = 1e6
+    diverge_loss: Positive = 1e6
     """a training loss above this counts as diverged"""
-    data_seed: int = 0
+    data_seed: Size = 0
     """which subset of the data (fixed across seeds by default)"""
-    outlier_scale: float = 10.0
+    outlier_scale: NonNegative = 10.0
     """std of the outlier inputs of an outlier_batch"""
-    synthetic_dim: int = 16
+    synthetic_dim: Count = 16
     """synthetic task: input dimension"""
-    synthetic_out: int = 4
+    synthetic_out: Count = 4
     """synthetic task: output dimension"""
 
 
@@ -97,53 +148,53 @@ class ToyHParams(ControlHParams):
 class GPTHParams(ControlHParams):
     """The byte-level GPT of the ``lm`` domain (learner ``gpt``)."""
 
-    n_layer: int = 2
+    n_layer: Count = 2
     """transformer blocks"""
-    n_head: int = 2
+    n_head: Count = 2
     """attention heads"""
-    n_embd: int = 64
+    n_embd: Count = 64
     """residual width"""
-    block_size: int = 64
+    block_size: Count = 64
     """context length (tokens)"""
-    dropout: float = 0.0
+    dropout: Beta = 0.0
     """dropout probability"""
     qk_layernorm: bool = False
     """LayerNorm on queries and keys"""
-    z_loss: float = 0.0
+    z_loss: NonNegative = 0.0
     """z-loss coefficient (1e-4 in Wortsman et al. 2023)"""
-    init_scale: float = 1.0
+    init_scale: Positive = 1.0
     """multiplier of the init std"""
     tie_weights: bool = True
     """tie embedding and output head"""
     post_ln: bool = False
     """post-LayerNorm blocks (LN after each residual sum, original Transformer) instead of pre-LN"""
-    batch_size: int = 16
+    batch_size: Count = 16
     """sequences per step"""
-    lr: float = 1e-3
+    lr: Positive = 1e-3
     """peak learning rate"""
-    min_lr_frac: float = 0.1
+    min_lr_frac: Fraction = 0.1
     """final lr of the cosine as a fraction of lr"""
-    warmup: int = 10
+    warmup: Size = 10
     """linear warmup steps"""
-    weight_decay: float = 0.1
+    weight_decay: NonNegative = 0.1
     """AdamW decoupled weight decay (matrices only)"""
-    beta1: float = 0.9
+    beta1: Beta = 0.9
     """Adam beta1"""
-    beta2: float = 0.95
+    beta2: Beta = 0.95
     """Adam beta2"""
-    eps: float = 1e-8
+    eps: Positive = 1e-8
     """Adam epsilon"""
-    grad_clip: float = 0.0
+    grad_clip: NonNegative = 0.0
     """global grad-norm clip (0 = off)"""
-    corpus_bytes: int = 1_000_000
+    corpus_bytes: Count = 1_000_000
     """corpus size cap (bytes)"""
-    val_frac: float = 0.1
+    val_frac: OpenFraction = 0.1
     """validation fraction of the corpus"""
-    eval_batches: int = 4
+    eval_batches: Count = 4
     """validation batches per evaluation"""
-    diag_every: int = 0
+    diag_every: Size = 0
     """cadence of attention/logit diagnostics (0 = spec.log_every)"""
-    curvature_iters: int = 20
+    curvature_iters: Count = 20
     """Hessian-vector products per lambda_max measurement (Lanczos budget)"""
     autocast_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """autocast dtype of the forward pass"""
@@ -151,7 +202,7 @@ class GPTHParams(ControlHParams):
     """storage dtype of parameters and Adam state"""
     grad_scaler: bool = False
     """dynamic loss scaling with torch.amp.GradScaler"""
-    scaler_growth_interval: int = 2000
+    scaler_growth_interval: Count = 2000
     """clean steps before the GradScaler doubles its scale (torch default 2000)"""
     skip_nonfinite_loss: bool = False
     """with grad_scaler: a non-finite loss is skipped like an inf/NaN gradient (scale halved), not divergence"""
@@ -163,31 +214,31 @@ class GPTHParams(ControlHParams):
 class SeqHParams:
     """Recurrent networks on a long-range sequence task (learners ``rnn_tanh``, ``rnn_linear``, ``lstm``)."""
 
-    hidden: int = 64
+    hidden: Count = 64
     """recurrent units"""
-    T: int = 50
+    T: Count = 50
     """sequence length (time steps) of the task"""
-    lr: float = 0.01
+    lr: Positive = 0.01
     """learning rate"""
-    batch_size: int = 32
+    batch_size: Count = 32
     """sequences per step (fresh ones each step)"""
-    grad_clip: float = 0.0
+    grad_clip: NonNegative = 0.0
     """global grad-norm clip with torch.nn.utils.clip_grad_norm_ (0 = off)"""
-    sigma: float = 1.0
+    sigma: NonNegative = 1.0
     """recurrent init: a random orthogonal matrix times sigma (per gate for the LSTM)"""
     optimizer: Literal["sgd", "adam"] = "sgd"
     """sgd (with momentum) or adam"""
-    momentum: float = 0.0
+    momentum: Beta = 0.0
     """heavy-ball momentum of sgd"""
-    beta1: float = 0.9
+    beta1: Beta = 0.9
     """Adam beta1"""
-    beta2: float = 0.999
+    beta2: Beta = 0.999
     """Adam beta2"""
     forget_bias: float = 1.0
     """LSTM forget-gate bias at init"""
-    diverge_loss: float = 1000.0
+    diverge_loss: Positive = 1000.0
     """a training loss above this (or non-finite) counts as diverged"""
-    eval_size: int = 512
+    eval_size: Count = 512
     """held-out sequences for test_loss (one fixed set for every seed)"""
 
 
@@ -195,29 +246,29 @@ class SeqHParams:
 class RLCommon(ControlHParams):
     """What every stable-baselines3 learner shares (network size, evaluation, telemetry)."""
 
-    hidden: int = 64
+    hidden: Count = 64
     """units per hidden layer of the policy and value networks"""
-    layers: int = 2
+    layers: Size = 2
     """hidden layers of the policy and value networks"""
-    lr: float = 3e-4
+    lr: Positive = 3e-4
     """learning rate of every optimizer"""
-    gamma: float = 0.99
+    gamma: Fraction = 0.99
     """discount factor"""
-    eval_episodes: int = 2
+    eval_episodes: Count = 2
     """deterministic evaluation episodes per evaluation"""
-    eval_max_steps: int = 0
+    eval_max_steps: Size = 0
     """episode cap of the evaluation env (0 = env default)"""
-    max_episode_steps: int = 0
+    max_episode_steps: Size = 0
     """episode cap of the training env (0 = env default)"""
-    monitor_every: int = 1
+    monitor_every: Count = 1
     """the Monitor's every: costly channels every this many updates"""
-    diag_every: int = 10
+    diag_every: Count = 10
     """off-policy: read algorithm diagnostics every this many train calls"""
-    diverge_threshold: float = 1e8
+    diverge_threshold: Positive = 1e8
     """a loss, gradient norm, Q value or return above this counts as diverged"""
     normalize_obs: bool = False
     """normalise observations by their running mean and std (SB3 VecNormalize; rewards stay raw)"""
-    prefix_steps: int = 0
+    prefix_steps: Size = 0
     """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
     noise_after_fork: float | Literal["same"] = "same"
     """a fork's own noise knob (registry.NOISE_KNOB) from the fork on; "same": the prefix's value"""
@@ -227,11 +278,11 @@ class RLCommon(ControlHParams):
 class OnPolicyHParams(RLCommon):
     """PPO and A2C: rollouts of n_steps, then updates."""
 
-    n_steps: int = 2048
+    n_steps: Count = 2048
     """environment steps per rollout"""
-    gae_lambda: float = 0.95
+    gae_lambda: Fraction = 0.95
     """GAE lambda"""
-    ent_coef: float = 0.0
+    ent_coef: NonNegative = 0.0
     """entropy bonus coefficient (the algorithm's own noise knob)"""
 
 
@@ -239,11 +290,11 @@ class OnPolicyHParams(RLCommon):
 class PPOHParams(OnPolicyHParams):
     """Proximal policy optimisation (stable-baselines3 defaults)."""
 
-    batch_size: int = 64
+    batch_size: Count = 64
     """minibatch size of each PPO epoch"""
-    n_epochs: int = 10
+    n_epochs: Count = 10
     """passes over each rollout"""
-    clip_range: float = 0.2
+    clip_range: Positive = 0.2
     """PPO clipping range"""
 
 
@@ -251,11 +302,11 @@ class PPOHParams(OnPolicyHParams):
 class A2CHParams(OnPolicyHParams):
     """Advantage actor-critic (stable-baselines3 defaults)."""
 
-    lr: float = 7e-4
+    lr: Positive = 7e-4
     """learning rate of every optimizer"""
-    n_steps: int = 5
+    n_steps: Count = 5
     """environment steps per rollout"""
-    gae_lambda: float = 1.0
+    gae_lambda: Fraction = 1.0
     """GAE lambda"""
 
 
@@ -263,19 +314,19 @@ class A2CHParams(OnPolicyHParams):
 class OffPolicyHParams(RLCommon):
     """SAC, TD3 and DDPG: a replay buffer, updates every train_freq steps."""
 
-    hidden: int = 256
+    hidden: Count = 256
     """units per hidden layer of the actor and critics"""
-    batch_size: int = 256
+    batch_size: Count = 256
     """replay minibatch size"""
-    learning_starts: int = 100
+    learning_starts: Size = 100
     """environment steps before the first update"""
-    buffer_size: int = 1_000_000
+    buffer_size: Count = 1_000_000
     """replay capacity (capped at the run length)"""
-    train_freq: int = 1
+    train_freq: Count = 1
     """environment steps between train calls"""
-    gradient_steps: int = 1
+    gradient_steps: Count = 1
     """gradient steps per train call"""
-    tau: float = 0.005
+    tau: Factor = 0.005
     """Polyak coefficient of the target networks"""
 
 
@@ -283,7 +334,7 @@ class OffPolicyHParams(RLCommon):
 class SACHParams(OffPolicyHParams):
     """Soft actor-critic (stable-baselines3 defaults)."""
 
-    ent_coef: float | Literal["auto"] = "auto"
+    ent_coef: NonNegative | Literal["auto"] = "auto"
     """entropy coefficient: a float, or "auto" to learn it"""
     target_entropy: float | Literal["auto"] = "auto"
     """entropy target of the learnt coefficient (the noise knob); "auto" = -dim(action)"""
@@ -293,11 +344,11 @@ class SACHParams(OffPolicyHParams):
 class TD3HParams(OffPolicyHParams):
     """Twin delayed DDPG (stable-baselines3 defaults)."""
 
-    lr: float = 1e-3
+    lr: Positive = 1e-3
     """learning rate of every optimizer"""
-    policy_delay: int = 2
+    policy_delay: Count = 2
     """critic updates per actor update"""
-    action_noise_std: float = 0.1
+    action_noise_std: NonNegative = 0.1
     """Gaussian exploration noise, relative to the action range (the noise knob)"""
 
 
@@ -305,9 +356,9 @@ class TD3HParams(OffPolicyHParams):
 class DDPGHParams(OffPolicyHParams):
     """Deep deterministic policy gradient (stable-baselines3 defaults)."""
 
-    lr: float = 1e-3
+    lr: Positive = 1e-3
     """learning rate of every optimizer"""
-    action_noise_std: float = 0.1
+    action_noise_std: NonNegative = 0.1
     """Gaussian exploration noise, relative to the action range (the noise knob)"""
 
 
@@ -333,8 +384,12 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _accepts(tp: Any, value: Any) -> bool:
-    """Does ``value`` (a spec literal) fit the annotation ``tp``? ints pass for floats, bools never for numbers."""
+    """Does ``value`` (a spec literal) fit the annotation ``tp``, range included? ints pass for floats, bools never
+    for numbers."""
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        return _accepts(base, value) and all(value in m for m in meta if isinstance(m, Range))
     if origin is Literal:
         return any(type(value) is type(a) and value == a for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -350,24 +405,34 @@ def _accepts(tp: Any, value: Any) -> bool:
     return isinstance(value, tp)
 
 
-def _describe(tp: Any) -> str:
+def describe(tp: Any) -> str:
+    """What an annotation accepts, in words: ``float > 0``, ``int >= 1``, ``one of 'mse', 'ce'``."""
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        base, *meta = typing.get_args(tp)
+        return " ".join([describe(base), *(str(m) for m in meta if isinstance(m, Range))])
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(describe(a) for a in typing.get_args(tp))
     return getattr(tp, "__name__", str(tp))
 
 
+@functools.cache
+def annotations(cls: type) -> dict[str, Any]:
+    """Each field's annotation, ``Annotated`` ranges kept."""
+    return typing.get_type_hints(cls, include_extras=True)
+
+
 def validate(cls: type, given: dict[str, Any], where: str) -> None:
-    """Raise ``ValueError`` for a name that is not a field of ``cls`` or a value of the wrong type."""
-    hints = typing.get_type_hints(cls)
+    """Raise ``ValueError`` for a name that is not a field of ``cls``, or a value of the wrong type or out of range."""
+    hints = annotations(cls)
     unknown = sorted(set(given) - set(hints))
     if unknown:
         raise ValueError(f"unknown hyperparameter(s) {unknown} for {where}; valid: {', '.join(sorted(hints))}")
     for name, value in given.items():
         if not _accepts(hints[name], value):
-            raise ValueError(f"hyperparameter {name!r} of {where} must be {_describe(hints[name])}, "
+            raise ValueError(f"hyperparameter {name!r} of {where} must be {describe(hints[name])}, "
                              f"got {value!r} ({type(value).__name__})")
 
 

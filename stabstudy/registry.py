@@ -1,6 +1,6 @@
 """The one registry: domains, learners, tasks, perturbation kinds and channels.
 
-The CLI, spec validation, the runner, the docs (docs/registry.md is generated from here), the
+The CLI, spec validation (task names included), the runner, the docs (docs/registry.md is generated from here), the
 instruments' channel lists, the Datasets' ``long_name``/``units`` attributes (:func:`annotate`) and
 the tests all read these tables; nothing else lists them. Learner code is named by ``"module:function"`` strings and
 imported only when a run executes, so validating a spec never imports torch.
@@ -8,9 +8,11 @@ imported only when a run executes, so validating a spec never imports torch.
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path, PurePath
 
 from stabstudy import hparams as H
 
@@ -25,23 +27,30 @@ class Domain:
     step_unit: str
     """what ``RunSpec.steps`` and perturbation windows count"""
     tasks: str
-    """which tasks the domain accepts (checked by the learner)"""
+    """which tasks the domain accepts, in words (:func:`check_task` checks them)"""
     learners: dict[str, type]
     """learner name -> its hyperparameter dataclass"""
+    task_names: tuple[str, ...] = ()
+    """the built-in tasks"""
+    other_tasks: str = ""
+    """what else names a task: ``"gymnasium"`` (a registered env id), ``"path"`` (a text file) or nothing"""
 
 
 DOMAINS: dict[str, Domain] = {d.name: d for d in (
     Domain("toy", "stabstudy.learners.toy:run", "optimizer updates",
-           "digits | synthetic", {"gd": H.ToyHParams, "sgd": H.ToyHParams, "adam": H.ToyHParams}),
+           "digits | synthetic", {"gd": H.ToyHParams, "sgd": H.ToyHParams, "adam": H.ToyHParams},
+           task_names=("digits", "synthetic")),
     Domain("rl", "stabstudy.learners.rl.learner:run", "environment steps",
            "a gymnasium env id (HalfCheetah-v5, Pendulum-v1, ...)",
            {"ppo": H.PPOHParams, "sac": H.SACHParams, "td3": H.TD3HParams, "a2c": H.A2CHParams,
-            "ddpg": H.DDPGHParams}),
+            "ddpg": H.DDPGHParams}, other_tasks="gymnasium"),
     Domain("lm", "stabstudy.learners.lm:run", "optimizer updates",
-           "stdlib (the Python standard library sources) or a text-file path", {"gpt": H.GPTHParams}),
+           "stdlib (the Python standard library sources) or a text-file path", {"gpt": H.GPTHParams},
+           task_names=("stdlib",), other_tasks="path"),
     Domain("seq", "stabstudy.learners.seq:run", "optimizer updates",
            "adding (the adding problem, generated from the seed)",
-           {"rnn_tanh": H.SeqHParams, "rnn_linear": H.SeqHParams, "lstm": H.SeqHParams}),
+           {"rnn_tanh": H.SeqHParams, "rnn_linear": H.SeqHParams, "lstm": H.SeqHParams},
+           task_names=("adding",)),
 )}
 
 #: Valid learners per domain.
@@ -67,6 +76,40 @@ def hparams_class(domain_name: str, learner: str) -> type:
         raise ValueError(f"unknown learner {learner!r} for domain {domain_name!r}; "
                          f"valid learners: {', '.join(d.learners)}")
     return d.learners[learner]
+
+
+def _did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    if not close:
+        return ""
+    return f"; did you mean {close[0]!r}" + (f" (or {', '.join(map(repr, close[1:]))})" if close[1:] else "") + "?"
+
+
+def check_task(domain_name: str, task: str) -> None:
+    """``ValueError`` naming the valid tasks (and the closest ones) when ``task`` is not one of the domain's.
+
+    rl: an id in gymnasium's registry (imported here, on the first RL spec; it imports no torch).
+    lm: ``"stdlib"``, or anything that reads as a file path (a directory part or a suffix) or is a file
+    here: the file itself is read where the run executes, which may be another machine.
+    """
+    d = domain(domain_name)
+    if task in d.task_names:
+        return
+    if d.other_tasks == "gymnasium":
+        import gymnasium
+
+        if task in gymnasium.registry:
+            return
+        raise ValueError(f"unknown gymnasium environment {task!r} for domain {domain_name!r}: not in gymnasium's "
+                         f"registry (examples: HalfCheetah-v5, Pendulum-v1){_did_you_mean(task, gymnasium.registry)}")
+    if d.other_tasks == "path":
+        p = PurePath(task)
+        if len(p.parts) > 1 or p.suffix or Path(task).expanduser().is_file():
+            return
+        raise ValueError(f"unknown {domain_name} task {task!r}: use {', '.join(map(repr, d.task_names))} or the path "
+                         f"of a text file{_did_you_mean(task, d.task_names)}")
+    raise ValueError(f"unknown {domain_name} task {task!r}; valid tasks: {', '.join(d.task_names)}"
+                     f"{_did_you_mean(task, d.task_names)}")
 
 
 def learner_for(domain_name: str) -> Callable:

@@ -24,14 +24,14 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
-from stabstudy.hparams import validate
-from stabstudy.registry import KINDS, check_kind, hparams_class
+from stabstudy.hparams import plain, validate
+from stabstudy.registry import KINDS, check_kind, check_task, hparams_class
 
 
 def freeze(value: Any, where: str) -> Any:
-    """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences."""
+    """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences; numpy and torch values
+    (scalars, arrays, tensors) become the Python scalars and lists they hold, alike."""
+    value = plain(value)
     if isinstance(value, bool | int | str) or value is None:
         return value
     if isinstance(value, float):
@@ -40,11 +40,8 @@ def freeze(value: Any, where: str) -> Any:
         return value
     if isinstance(value, list | tuple):
         return tuple(freeze(v, where) for v in value)
-    if isinstance(value, np.ndarray):  # a sequence, whatever its size (.item() would unwrap [64])
-        return freeze(value.tolist(), where)
-    if isinstance(value, np.generic):  # numpy scalar
-        return freeze(value.item(), where)
-    raise TypeError(f"{where}: hyperparameter values must be str/int/float/bool/None or sequences of them, got {type(value).__name__}")
+    raise ValueError(f"{where}: hyperparameter values must be str, int, float, bool, None or sequences of them "
+                     f"(numpy values and torch tensors hold them too), got {type(value).__name__}")
 
 
 def thaw(value: Any) -> Any:
@@ -78,14 +75,16 @@ class Perturbation:
 
     def __post_init__(self) -> None:
         check_kind(self.kind)
+        object.__setattr__(self, "start", plain(self.start))  # numpy / torch integers as Python ints
+        object.__setattr__(self, "duration", plain(self.duration))
         if not isinstance(self.start, int) or isinstance(self.start, bool) or self.start < 0:
             raise ValueError(f"perturbation {self.kind!r}: start must be an integer >= 0, got {self.start!r}")
         if not isinstance(self.duration, int) or isinstance(self.duration, bool) or self.duration < 1:
             raise ValueError(f"perturbation {self.kind!r}: duration must be an integer >= 1, got {self.duration!r}")
-        dose = float(self.dose)
-        if not math.isfinite(dose) or dose < 0:
+        dose = plain(self.dose)
+        if not isinstance(dose, int | float) or isinstance(dose, bool) or not math.isfinite(dose) or dose < 0:
             raise ValueError(f"perturbation {self.kind!r}: dose must be a finite number >= 0, got {self.dose!r}")
-        object.__setattr__(self, "dose", dose)
+        object.__setattr__(self, "dose", float(dose))
         object.__setattr__(self, "params", freeze_map(self.params, f"perturbation {self.kind!r} params"))
 
     @property
@@ -123,8 +122,8 @@ class RunSpec:
     Attributes:
         domain: ``"toy"``, ``"rl"`` or ``"lm"``.
         learner: one of :data:`stabstudy.registry.LEARNERS` for the domain.
-        task: what is learned: a dataset name (toy), a gymnasium env id (rl), a
-            corpus name or text-file path (lm).
+        task: what is learned: a built-in task of the domain (toy, seq), a registered gymnasium
+            env id (rl), ``"stdlib"`` or a text-file path (lm); :func:`stabstudy.registry.check_task`.
         steps: run length in the domain's step unit (see module docstring).
         seed: explicit seed for every random number generator of the run.
         hparams: learner hyperparameters (learning rate, sizes, ...), literals only.
@@ -151,9 +150,10 @@ class RunSpec:
         if not isinstance(self.task, str) or not self.task:
             raise ValueError(f"task must be a non-empty string, got {self.task!r}")
         for name in ("steps", "seed", "log_every", "eval_every", "curvature_every"):
-            v = getattr(self, name)
+            v = plain(getattr(self, name))  # numpy and torch integers as Python ints, like hyperparameters
             if not isinstance(v, int) or isinstance(v, bool):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+                raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+            object.__setattr__(self, name, v)
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
         if self.seed < 0:
@@ -168,7 +168,7 @@ class RunSpec:
         perts = tuple(Perturbation.from_dict(p) if isinstance(p, Mapping) else p for p in perts)
         for p in perts:
             if not isinstance(p, Perturbation):
-                raise TypeError(f"perturbations must be Perturbation objects or dicts, got {type(p).__name__}")
+                raise ValueError(f"perturbations must be Perturbation objects or dicts, got {type(p).__name__}")
             check_kind(p.kind, self.domain)
             if p.start >= self.steps or p.end > self.steps:
                 raise ValueError(
@@ -179,6 +179,7 @@ class RunSpec:
         object.__setattr__(self, "hparams", freeze_map(self.hparams, "hparams"))
         # fail here, not minutes later on a worker, for a misspelt or mistyped name
         validate(hp_class, self.hp, f"{self.domain} learner {self.learner!r}")
+        check_task(self.domain, self.task)
         object.__setattr__(self, "_hash", hashlib.sha256(self.to_json().encode()).hexdigest()[:16])
 
     # -- views -----------------------------------------------------------------

@@ -98,7 +98,7 @@ def test_seq_hyperparameters_are_validated_when_the_spec_is_built():
     with pytest.raises(ValueError, match=r"unknown learner 'gru' for domain 'seq'; valid learners: rnn_tanh"):
         RunSpec("seq", "gru", "adding", 10, 0)
     with pytest.raises(ValueError, match=r"unknown seq task 'copy'; valid tasks: adding"):
-        seq.hparams(RunSpec("seq", "lstm", "copy", 10, 0))
+        RunSpec("seq", "lstm", "copy", 10, 0)
     assert SeqHParams().grad_clip == 0.0
 
 

@@ -91,8 +91,10 @@ def test_nan_config_is_stored_as_diverged(tmp_store):
 def test_unknown_hparam_and_task_are_clear_errors():
     with pytest.raises(ValueError, match="unknown hyperparameter"):
         lm.run(spec(learning_rate=1e-3))
-    with pytest.raises(ValueError, match="unknown LM task"):
-        lm.run(spec().replace(task="no-such-corpus"))
+    with pytest.raises(ValueError, match="unknown lm task 'no-such-corpus': use 'stdlib' or the path of a text file"):
+        spec().replace(task="no-such-corpus")  # when the spec is built
+    with pytest.raises(ValueError, match="unknown LM task 'no/such.txt'"):
+        lm.run(spec().replace(task="no/such.txt"))  # reads as a path: the file is looked for where the run executes
 
 
 def test_curvature_channels_at_their_cadence():

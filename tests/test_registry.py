@@ -37,16 +37,16 @@ def test_every_hyperparameter_has_a_one_line_doc(cls):
 
 @pytest.mark.parametrize("domain, learner, hp, match", [
     ("toy", "gd", {"lrr": 0.1}, r"unknown hyperparameter\(s\) \['lrr'\] for toy learner 'gd'; valid: .*\blr\b"),
-    ("toy", "gd", {"lr": "0.1"}, r"'lr' of toy learner 'gd' must be float, got '0.1'"),
-    ("toy", "gd", {"width": 64.0}, r"'width' of toy learner 'gd' must be int"),
+    ("toy", "gd", {"lr": "0.1"}, r"'lr' of toy learner 'gd' must be float > 0, got '0.1'"),
+    ("toy", "gd", {"width": 64.0}, r"'width' of toy learner 'gd' must be int >= 1"),
     ("toy", "gd", {"activation": "swish"}, r"must be one of 'tanh', 'relu', 'elu', 'gelu'"),
     ("lm", "gpt", {"qk_layernorm": 1}, r"'qk_layernorm' .* must be bool"),
-    ("rl", "sac", {"ent_coef": "fixed"}, r"must be float or one of 'auto'"),
+    ("rl", "sac", {"ent_coef": "fixed"}, r"must be float >= 0 or one of 'auto'"),
     ("rl", "ppo", {"policy_delay": 2}, r"unknown hyperparameter\(s\) \['policy_delay'\] for rl learner 'ppo'"),
 ])
 def test_a_bad_hyperparameter_fails_when_the_spec_is_built(domain, learner, hp, match):
     with pytest.raises(ValueError, match=match):
-        RunSpec(domain, learner, "x", 10, 0, hparams=hp)
+        RunSpec(domain, learner, "x", 10, 0, hparams=hp)  # the hyperparameters are checked before the task
 
 
 def test_valid_hyperparameters_pass_and_are_stored_as_given():
@@ -130,3 +130,18 @@ def test_the_instruments_lists_are_the_registrys():
     assert RL_CHANNELS == ("perf", "episode_return", "entropy", "approx_kl", "clip_fraction", "value_loss", "q_mean",
                            "action_saturation", "loss")
     assert LONG_NAMES is registry.LONG_NAMES and registry.SHARED_CHANNELS[:2] == ("loss", "perf")
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_default_lies_in_its_declared_range(cls):
+    hparams.validate(cls, hparams.defaults(cls), cls.__name__)
+
+
+def test_ranges_are_declared_once_in_the_annotations():
+    """Validation and the docs read the range from the field's annotation, nowhere else."""
+    ann = hparams.annotations(hparams.ToyHParams)
+    assert hparams.describe(ann["lr"]) == "float > 0" and hparams.describe(ann["beta2"]) == "float in [0, 1)"
+    assert hparams.describe(hparams.annotations(hparams.SACHParams)["ent_coef"]) == "float >= 0 or one of 'auto'"
+    assert "| `lr` | `0.05` | float > 0 | learning rate |" in catalog.markdown(("hparams",))
+    r = hparams.Range(0, 1, lo_open=True)
+    assert 1 in r and 0.5 in r and 0 not in r and 1.5 not in r and str(r) == "in (0, 1]"

@@ -189,8 +189,10 @@ def test_on_policy_rows_are_flagged_when_their_rollout_overlapped_the_window():
 
 
 def test_unknown_env_and_hparam_raise_clear_errors():
-    with pytest.raises(ValueError, match="unknown gymnasium environment"):
-        rl.run(RunSpec("rl", "sac", "NoSuchEnv-v0", 100, 0))
+    with pytest.raises(ValueError, match="unknown gymnasium environment 'NoSuchEnv-v0'"):
+        RunSpec("rl", "sac", "NoSuchEnv-v0", 100, 0)  # when the spec is built
+    with pytest.raises(ValueError, match="unknown gymnasium environment 'Pendulm-v1'.*did you mean 'Pendulum-v1'"):
+        envs.make_env("Pendulm-v1")  # the same check where an env is made
     with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['hiden'\].*valid: .*\bhidden\b"):
         RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3})
 

@@ -36,12 +36,12 @@ def test_same_spec_same_trajectory(tmp_store):
 
 
 def test_failure_is_recorded_and_the_grid_goes_on(tmp_store):
-    bad = toy(0).replace(task="no-such-task")  # valid spec, raises in the learner
+    bad = toy(0).replace(hparams={"n_train": 5000})  # valid spec, raises in the learner (digits has 1797 images)
     good = toy(1)
     recs = run_grid([bad, good], scheduler="serial", store=tmp_store, progress=False)
     assert [r.status for r in recs] == ["failed", "ok"]
     stored = tmp_store.load(bad)
-    assert stored.attrs["status"] == "failed" and "no-such-task" in stored.attrs["error"]
+    assert stored.attrs["status"] == "failed" and "digits has 1797 images" in stored.attrs["error"]
     # failed runs are data: not retried unless asked
     assert run_grid([bad], scheduler="serial", store=tmp_store, progress=False)[0].cached
     assert not run_grid([bad], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)[0].cached

@@ -82,10 +82,68 @@ def test_invalid_specs_name_the_valid_choices(kw, match):
 
 
 def test_invalid_types():
-    with pytest.raises(TypeError, match="steps must be an int"):
+    # ValueError, as for every other bad input (the README promises it)
+    with pytest.raises(ValueError, match="steps must be an int, got float 10.5"):
         spec(steps=10.5)
-    with pytest.raises(TypeError, match="hyperparameter values"):
+    with pytest.raises(ValueError, match="steps must be an int, got float 10.0"):
+        spec(steps=np.float64(10))  # a numpy float is a float, as 10.0 is
+    with pytest.raises(ValueError, match="hyperparameter values must be str, int, float, bool, None"):
         spec(hparams={"f": object()})
+
+
+TOY = dict(domain="toy", learner="gd", task="digits", steps=100, seed=0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(hparams={"lr": -1.0}), r"'lr' of toy learner 'gd' must be float > 0, got -1.0"),
+    (dict(hparams={"lr": 0}), r"'lr' of toy learner 'gd' must be float > 0, got 0"),
+    (dict(hparams={"beta2": 1.0}), r"'beta2' .* must be float in \[0, 1\), got 1.0"),
+    (dict(hparams={"width": 0}), r"'width' .* must be int >= 1, got 0"),
+    (dict(hparams={"batch_size": -1}), r"'batch_size' .* must be int >= 0, got -1"),
+    (dict(hparams={"curv_tol": -1e-3}), r"'curv_tol' .* must be float >= 0"),
+    (dict(domain="lm", learner="gpt", task="stdlib", hparams={"dropout": 1.0}), r"'dropout' .* in \[0, 1\)"),
+    (dict(domain="rl", learner="sac", task="Pendulum-v1", hparams={"ent_coef": -0.1}),
+     r"'ent_coef' of rl learner 'sac' must be float >= 0 or one of 'auto'"),
+    (dict(domain="rl", learner="ppo", task="Pendulum-v1", hparams={"gamma": 1.5}), r"'gamma' .* in \[0, 1\]"),
+    (dict(domain="seq", learner="lstm", task="adding", hparams={"T": 0}), r"'T' of seq learner 'lstm' must be int >= 1"),
+    (dict(task="mnist"), r"unknown toy task 'mnist'; valid tasks: digits, synthetic"),
+    (dict(domain="seq", learner="lstm", task="adding_problem"), r"unknown seq task .*valid tasks: adding; did you mean 'adding'\?"),
+    (dict(domain="rl", learner="ppo", task="Pendulm-v1"),
+     r"unknown gymnasium environment 'Pendulm-v1' .*did you mean 'Pendulum-v1'"),
+    (dict(domain="lm", learner="gpt", task="stdlb"), r"unknown lm task 'stdlb': use 'stdlib' or the path of a text file; "
+                                                     r"did you mean 'stdlib'\?"),
+])
+def test_impossible_values_and_unknown_tasks_fail_when_the_spec_is_built(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RunSpec(**{**TOY, **kw})
+
+
+def test_a_text_file_path_is_an_lm_task(tmp_path):
+    f = tmp_path / "corpus"
+    f.write_text("hello")
+    assert RunSpec("lm", "gpt", str(f), 10, 0).task == str(f)  # a file here, whatever its name
+    assert RunSpec("lm", "gpt", "elsewhere/corpus.txt", 10, 0).task  # reads as a path: checked where it runs
+
+
+def test_numpy_scalars_and_tensors_are_treated_alike():
+    torch = pytest.importorskip("torch")
+    ref = RunSpec(**TOY, hparams={"lr": 0.5, "width": 8})
+    for steps, lr, width in [(np.int64(100), np.float64(0.5), np.int64(8)),
+                             (torch.tensor(100), torch.tensor(0.5, dtype=torch.float64), torch.tensor(8)),
+                             (np.int32(100), torch.tensor(0.5, requires_grad=True), np.array(8))]:
+        s = RunSpec(**{**TOY, "steps": steps}, hparams={"lr": lr, "width": width})
+        assert s.spec_hash == ref.spec_hash and s == ref
+        assert type(s.steps) is int and s.hp == {"lr": 0.5, "width": 8}
+    # an impossible value is a ValueError naming the field and the range, whatever holds it
+    for bad in (-1.0, np.float64(-1.0), torch.tensor(-1.0)):
+        with pytest.raises(ValueError, match=r"'lr' of toy learner 'gd' must be float > 0"):
+            RunSpec(**TOY, hparams={"lr": bad})
+    with pytest.raises(ValueError, match="steps must be positive"):
+        RunSpec(**{**TOY, "steps": torch.tensor(0)})
+    with pytest.raises(ValueError, match=r"'width' .* must be int"):
+        RunSpec(**TOY, hparams={"width": torch.tensor(8.0)})  # a float tensor is a float, as 8.0 is
+    p = Perturbation("lr_spike", np.int64(3), torch.tensor(2), dose=torch.tensor(10.0))
+    assert p == Perturbation("lr_spike", 3, 2, dose=10.0) and type(p.start) is int and type(p.dose) is float
 
 
 def test_perturbation_validation():

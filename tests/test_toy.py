@@ -94,8 +94,10 @@ def test_lr_spike_and_loss_scale_exact_effects():
 def test_unknown_hparam_and_task_are_rejected():
     with pytest.raises(ValueError, match=r"unknown hyperparameter\(s\) \['lrr'\].*valid: .*\blr\b"):
         spec("gd", steps=2, lrr=0.1)  # when the spec is built, not when it runs
-    with pytest.raises(ValueError, match="unknown toy task"):
-        toy.run(spec("gd", steps=2, task="mnist"))
+    with pytest.raises(ValueError, match="unknown toy task 'mnist'; valid tasks: digits, synthetic"):
+        spec("gd", steps=2, task="mnist")  # when the spec is built, too
+    with pytest.raises(ValueError, match="unknown toy task 'mnist'"):
+        toy.load_task("mnist", 10, 10)
 
 
 def test_calibration_grid_through_run_grid_and_tables(tmp_store):

@@ -46,6 +46,7 @@ from stabstudy import registry
 from stabstudy.hparams import SeqHParams, merged
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions.perturb import Perturber
+from stabstudy.registry import DOMAINS
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
 
@@ -53,7 +54,7 @@ from stabstudy.spec import RunSpec
 #: recomputes stored runs of other versions instead of reusing them.
 RESULTS_VERSION = 1
 
-TASKS = ("adding",)
+TASKS = DOMAINS["seq"].task_names
 KINDS = ("rnn_tanh", "rnn_linear", "lstm")
 #: Seed of the held-out set: one fixed set, so test losses of different seeds compare.
 _EVAL_SEED = 7_919
@@ -78,8 +79,6 @@ def single_threaded(fn: _F) -> _F:
 
 def hparams(spec: RunSpec) -> dict[str, Any]:
     """The spec's hyperparameters over the :class:`~stabstudy.hparams.SeqHParams` defaults."""
-    if spec.task not in TASKS:
-        raise ValueError(f"unknown seq task {spec.task!r}; valid tasks: {', '.join(TASKS)}")
     return merged(SeqHParams, spec.hp, f"seq learner {spec.learner!r}")
 
 

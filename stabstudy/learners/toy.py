@@ -56,6 +56,7 @@ from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions import control
 from stabstudy.interventions.perturb import Perturber
+from stabstudy.registry import DOMAINS, check_task
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
 
@@ -64,7 +65,7 @@ from stabstudy.spec import RunSpec
 #: 2: lambda_max from the on-device Lanczos (another start vector: values move within its tolerance).
 RESULTS_VERSION = 2
 
-TASKS = ("digits", "synthetic")
+TASKS = DOMAINS["toy"].task_names
 
 
 _ACT = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "elu": torch.nn.ELU, "gelu": torch.nn.GELU}
@@ -72,8 +73,6 @@ _ACT = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "elu": torch.nn.ELU, "gelu
 
 def hparams(spec: RunSpec) -> dict[str, Any]:
     """The spec's hyperparameters over the :class:`~stabstudy.hparams.ToyHParams` defaults."""
-    if spec.task not in TASKS:
-        raise ValueError(f"unknown toy task {spec.task!r}; valid tasks: {', '.join(TASKS)}")
     return merged(ToyHParams, spec.hp, f"toy learner {spec.learner!r}")
 
 
@@ -104,6 +103,7 @@ def load_task(task: str, n_train: int, n_test: int, data_seed: int = 0, syntheti
               synthetic_out: int = 4) -> dict[str, torch.Tensor]:
     """Tensors ``x_train, y_train, x_test, y_test`` (float32; ``y`` one-hot or regression
     targets) and ``c_train, c_test`` (class indices; -1 for regression)."""
+    check_task("toy", task)  # names the valid tasks
     rng = np.random.default_rng(data_seed)
     if task == "digits":
         X, c = _digits()
@@ -116,7 +116,7 @@ def load_task(task: str, n_train: int, n_test: int, data_seed: int = 0, syntheti
         Y = np.eye(10, dtype=np.float32)[c]
         out = {"x_train": Xs[tr], "y_train": Y[tr], "x_test": Xs[te], "y_test": Y[te],
                "c_train": c[tr], "c_test": c[te]}
-    elif task == "synthetic":
+    else:  # synthetic
         n = n_train + n_test
         X = rng.standard_normal((n, synthetic_dim)).astype(np.float32)
         W1 = rng.standard_normal((synthetic_dim, 32)) / math.sqrt(synthetic_dim)
@@ -124,8 +124,6 @@ def load_task(task: str, n_train: int, n_test: int, data_seed: int = 0, syntheti
         Y = (np.tanh(X @ W1) @ W2).astype(np.float32)
         out = {"x_train": X[:n_train], "y_train": Y[:n_train], "x_test": X[n_train:], "y_test": Y[n_train:],
                "c_train": -np.ones(n_train, np.int64), "c_test": -np.ones(n_test, np.int64)}
-    else:
-        raise ValueError(f"unknown toy task {task!r}; valid tasks: {', '.join(TASKS)}")
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
 
 

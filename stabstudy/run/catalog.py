@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from stabstudy import registry
-from stabstudy.hparams import field_docs
+from stabstudy.hparams import annotations, describe, field_docs
 
 SECTIONS = ("domains", "kinds", "channels", "hparams")
 
@@ -51,9 +51,9 @@ def markdown(sections: tuple[str, ...] = SECTIONS) -> str:
                     continue
                 seen.add(cls)
                 users = ", ".join(f"`{n}`" for n, c in d.learners.items() if c is cls)
-                docs = field_docs(cls)
+                docs, ann = field_docs(cls), annotations(cls)
                 lines += [f"### {d.name}: {users} (`{cls.__name__}`)", "", (cls.__doc__ or "").strip(), ""]
-                lines += _table(("name", "default", "meaning"),
-                                [(f"`{f.name}`", f"`{f.default!r}`", docs.get(f.name, ""))
+                lines += _table(("name", "default", "valid", "meaning"),
+                                [(f"`{f.name}`", f"`{f.default!r}`", describe(ann[f.name]), docs.get(f.name, ""))
                                  for f in dataclasses.fields(cls)]) + [""]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from stable_baselines3.common.monitor import Monitor as SB3Monitor
 from stable_baselines3.common.vec_env import DummyVecEnv
 
 from stabstudy.interventions.perturb import Perturbation, Schedule
+from stabstudy.registry import check_task
 
 #: MuJoCo's compile warning about gymnasium's HalfCheetah XML, silenced in :func:`make_base`.
 MUJOCO_XML_WARNING = r"MuJoCo: .*settotalmass"
@@ -27,13 +28,9 @@ ENV_KINDS = ("action_noise", "obs_noise", "reward_scale")
 
 
 def check_env_id(task: str) -> None:
-    """Raise ``ValueError`` with a clear message when ``task`` is not a registered gymnasium env id."""
-    if task not in gym.registry:
-        close = [k for k in gym.registry if task.split("-")[0].lower() in k.lower()][:8]
-        raise ValueError(
-            f"unknown gymnasium environment {task!r}; examples of valid ids: HalfCheetah-v5, Pendulum-v1"
-            + (f"; similar registered ids: {', '.join(close)}" if close else "")
-        )
+    """Raise ``ValueError`` with a clear message (and the closest ids) when ``task`` is not a registered
+    gymnasium env id: :func:`stabstudy.registry.check_task`, as when a spec is built."""
+    check_task("rl", task)
 
 
 def route_mujoco_warnings() -> None:
