@@ -41,6 +41,8 @@ def test_save_load_roundtrip_with_provenance(tmp_store):
 
 
 def test_write_is_atomic_when_interrupted(tmp_store, monkeypatch):
+    from stabstudy.run.store import LOCKS_DIR
+
     s = toy_spec()
 
     def boom(self, *a, **k):
@@ -50,7 +52,7 @@ def test_write_is_atomic_when_interrupted(tmp_store, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         tmp_store.save(trajectory(), s, "ok", 0.0)
     assert not tmp_store.path(s).exists()
-    assert os.listdir(tmp_store.root) == []  # no temporary file left behind
+    assert sorted(os.listdir(tmp_store.root)) == [LOCKS_DIR]  # no temporary file left behind
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "wrong_hash"])
@@ -152,3 +154,114 @@ def test_runs_record_package_versions_and_report_drift(tmp_store, monkeypatch):
     assert runner.pending([toy_spec], tmp_store) == []
     monkeypatch.setenv("STABSTUDY_RERUN_STALE", "1")
     assert runner.pending([toy_spec], tmp_store) == [toy_spec]
+
+
+def _flip_bit_in(path, values: np.ndarray, index: int) -> None:
+    """Flip the lowest mantissa bit of ``values[index]`` where the array lies in the file."""
+    raw = bytearray(path.read_bytes())
+    at = bytes(raw).find(np.ascontiguousarray(values, dtype="<f8").tobytes())
+    assert at > 0, "array not stored contiguously in the file"
+    raw[at + 8 * index] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def test_one_flipped_bit_in_a_data_array_reads_as_corrupt_and_is_recomputed(tmp_store, capsys):
+    import netCDF4
+
+    from stabstudy.run import runner
+
+    s = RunSpec("toy", "gd", "digits", 6, 0, {"width": 8})
+    runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    good = tmp_store.load(s)["loss"].values
+    path = tmp_store.path(s)
+    _flip_bit_in(path, good, 2)
+    with netCDF4.Dataset(path) as f:  # the file still reads: only the data changed, by one ulp
+        changed = f["loss"][:].data
+    assert changed[2] != good[2] and np.isclose(changed[2], good[2], rtol=1e-14)
+    assert np.array_equal(np.delete(changed, 2), np.delete(good, 2))
+    with pytest.raises(CorruptRunError, match="does not match its checksum"):
+        tmp_store.load(s)
+    assert tmp_store.status(s) == "corrupt"
+    capsys.readouterr()
+    (rec,) = runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert not rec.cached and "is corrupt (content does not match its checksum); recomputing" in capsys.readouterr().out
+    np.testing.assert_array_equal(tmp_store.load(s)["loss"].values, good)
+
+
+def test_the_checksum_covers_attributes_and_failed_records(tmp_store):
+    import netCDF4
+
+    a, b = toy_spec(seed=1), toy_spec(seed=2)
+    tmp_store.save(trajectory(), a, "ok", 1.0)
+    tmp_store.save_failed(b, "Traceback ...\nValueError: boom", 0.2)
+    assert tmp_store.status(a) == "ok" and tmp_store.status(b) == "failed"
+    with netCDF4.Dataset(tmp_store.path(a), "a") as f:
+        f.setncattr("wall_time_s", 2.0)
+    with netCDF4.Dataset(tmp_store.path(b), "a") as f:
+        f.setncattr("error", "Traceback ...\nValueError: b00m")
+    assert tmp_store.status(a) == tmp_store.status(b) == "corrupt"
+
+
+def test_a_file_without_checksum_is_unverified_and_recomputed(tmp_store, capsys):
+    """Written before runs carried a checksum: not used (it cannot be checked), listed, recomputed."""
+    import netCDF4
+
+    from stabstudy.run import runner
+    from stabstudy.run.store import CHECKSUM_ATTR, UnverifiedRunError
+
+    s = RunSpec("toy", "gd", "digits", 4, 0, {"width": 8})
+    runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    with netCDF4.Dataset(tmp_store.path(s), "a") as f:
+        f.delncattr(CHECKSUM_ATTR)
+    with pytest.raises(UnverifiedRunError, match="carries no checksum"):
+        tmp_store.load(s)
+    assert tmp_store.status(s) == "unverified"
+    assert tmp_store.table()["status"].tolist() == ["unverified"]
+    capsys.readouterr()
+    (rec,) = runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert not rec.cached and "carries no checksum" in capsys.readouterr().out
+    assert tmp_store.status(s) == "ok"
+
+
+def test_store_opening_removes_temporary_files_no_live_process_writes(tmp_store, hold_lock):
+    import signal
+
+    from stabstudy.run.store import RunStore
+
+    dead, live = toy_spec(seed=1).spec_hash, toy_spec(seed=2).spec_hash
+    tmp_store.root.mkdir(parents=True)
+    left = tmp_store.root / f".{dead}.0123abcd.nc.tmp"  # what a Ctrl-C or a kill leaves behind
+    writing = tmp_store.root / f".{live}.4567cdef.nc.tmp"
+    proc = hold_lock(tmp_store.root, live)
+    try:
+        left.write_bytes(b"half a run")
+        writing.write_bytes(b"half a run")
+        RunStore(tmp_store.root)
+        assert not left.exists() and writing.exists()  # the other process is still writing that one
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    RunStore(tmp_store.root)  # its writer crashed: the operating system released its lock
+    assert not writing.exists()
+
+
+def test_runs_of_another_stabstudy_version_are_flagged_and_rerun_on_request(tmp_store, monkeypatch, capsys):
+    """Another package version is a reason (stabstudy runs flags it, --rerun-stale recomputes it);
+    another git commit alone is not."""
+    from stabstudy import __version__
+    from stabstudy.run import runner
+    from stabstudy.run.cli import main
+
+    old, moved = RunSpec("toy", "gd", "digits", 3, 0, {"width": 8}), RunSpec("toy", "gd", "digits", 3, 1, {"width": 8})
+    for s, who in ((old, {"stabstudy_version": "0.0.1"}), (moved, {"git_commit": "0123abc"})):
+        result = runner.execute(s)
+        runner._store_result(tmp_store, s, result, {**runner.made_by("toy"), **who})
+    assert main(["runs", "--data", str(tmp_store.root)]) == 0
+    out = capsys.readouterr().out
+    assert f"stabstudy 0.0.1 -> {__version__}" in out and "1 runs were made with other versions" in out
+    assert "--rerun-stale" in out
+    assert runner.pending([old, moved], tmp_store) == []
+    monkeypatch.setenv("STABSTUDY_RERUN_STALE", "1")
+    assert runner.pending([old, moved], tmp_store) == [old]
+    (rec, again) = runner.run_grid([old, moved], scheduler="serial", store=tmp_store, progress=False)
+    assert not rec.cached and again.cached and tmp_store.load(old).attrs["stabstudy_version"] == __version__

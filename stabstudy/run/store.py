@@ -1,16 +1,25 @@
-"""The run store: one netCDF file per run, written atomically, keyed by spec hash.
+"""The run store: one netCDF file per run, written atomically, checksummed, locked, keyed by spec hash.
 
 Schema (the contract between notebooks, see the README): dimension ``step``,
 the shared channels always present (NaN where a learner cannot measure them),
 provenance attributes (strings and numbers only). Failed runs are stored too,
 as records with no steps and the traceback in ``error``.
+
+Guarantees (docs/store.md): a file is written to a temporary name and renamed, so a
+reader sees a whole run or none; it carries the SHA-256 of its content
+(:data:`CHECKSUM_ATTR`), checked on every load, so a damaged file reads as ``corrupt``;
+a run being written (or computed, see :func:`stabstudy.run.runner.run_grid`) holds a
+lock file per spec hash, which the operating system releases when its process dies, and
+temporary files no live process holds are removed when the store opens.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import functools
+import hashlib
 import json
+import logging
 import os
 import subprocess
 import uuid
@@ -22,18 +31,82 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import xarray as xr
+from filelock import FileLock, Timeout
 
 from stabstudy import __version__, paths, registry
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.registry import SHARED_CHANNELS
 from stabstudy.spec import RunSpec
 
+log = logging.getLogger(__name__)
+
 STATUSES = ("ok", "diverged", "failed")
 ENGINE = "netcdf4"
+#: Global attribute holding :func:`content_sha256` of the rest of the file.
+CHECKSUM_ATTR = "content_sha256"
+#: Folder of the store holding one lock file per spec hash.
+LOCKS_DIR = ".locks"
+#: How temporary files are named: ``.<spec_hash>.<random>.nc.tmp`` (see :meth:`RunStore.save`).
+TMP_GLOB = ".*.nc.tmp"
 
 
 class CorruptRunError(RuntimeError):
-    """A stored run file exists but cannot be read or does not match its name."""
+    """A stored run file exists but cannot be read, does not match its name or its checksum;
+    ``reason`` says which in a few words."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason or message
+
+
+class UnverifiedRunError(CorruptRunError):
+    """A stored run file without a checksum (written before runs carried one): it cannot be
+    checked, so it is not used; :func:`stabstudy.run.runner.run_grid` recomputes it."""
+
+
+def content_sha256(ds: xr.Dataset) -> str:
+    """SHA-256 of a run as read from its file: the Dataset's attributes (all but
+    :data:`CHECKSUM_ATTR`) and every variable's name, dims, dtype, shape, attributes and values.
+
+    Computed on what :meth:`RunStore.load` reads, never on the Dataset before writing, so the
+    decoding netCDF applies (strings, fill values) is the same on both sides."""
+    h = hashlib.sha256()
+
+    def feed(obj: object) -> None:
+        h.update(json.dumps(obj, sort_keys=True, default=_plain).encode())
+        h.update(b"\0")
+
+    feed({k: v for k, v in ds.attrs.items() if k != CHECKSUM_ATTR})
+    for name in sorted(ds.variables, key=str):
+        var = ds.variables[name]
+        text = var.dtype.kind in "OUS"
+        feed([str(name), list(var.dims), "str" if text else var.dtype.str, list(var.shape), dict(var.attrs)])
+        if text:
+            feed([str(v) for v in np.ravel(var.values)])
+        else:
+            h.update(np.ascontiguousarray(var.values).tobytes())
+    return h.hexdigest()
+
+
+def _plain(v: object) -> object:
+    """JSON for the numpy values netCDF returns (attributes read back as numpy scalars or arrays)."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return str(v)
+
+
+def _read(path: Path) -> xr.Dataset:
+    with xr.open_dataset(path, engine=ENGINE) as f:
+        return f.load()
+
+
+@functools.cache
+def _lock(path: str) -> FileLock:
+    # one object per file in a process: acquiring it again in the same process is reentrant
+    # (save() inside a claim held by run_grid), while another process's attempt waits
+    return FileLock(path, thread_local=False)
 
 
 @functools.cache
@@ -132,9 +205,12 @@ def code_identity(domain: str | None = None) -> dict[str, str]:
 
 
 def version_drift(attrs: dict, domain: str | None = None) -> list[str]:
-    """``name stored -> installed`` for each recorded version that differs from this process's
-    (a run stored before versions were recorded reports nothing)."""
-    now = {k: v for k, v in code_identity(domain).items() if k.endswith("_version") and k != "stabstudy_version"}
+    """``name stored -> installed`` for each recorded version that differs from this process's:
+    ``stabstudy_version``, torch's, the telemetry Monitor's and the :func:`package_versions`
+    (a run stored before versions were recorded reports nothing). The git commit is not a
+    version: a new commit that changes results bumps its learner's ``RESULTS_VERSION``
+    (or the package's version), so a commit alone never makes a run stale."""
+    now = {k: v for k, v in code_identity(domain).items() if k.endswith("_version")}
     return [f"{k[:-8]} {attrs[k]} -> {v}" for k, v in now.items() if k in attrs and str(attrs[k]) != v]
 
 
@@ -168,32 +244,83 @@ class RunStore:
 
     def __post_init__(self) -> None:
         self.root = Path(self.root) if self.root is not None else paths.runs_dir()
+        self.remove_stale_tmp()
 
     def path(self, spec_or_hash: RunSpec | str) -> Path:
         h = spec_or_hash.spec_hash if isinstance(spec_or_hash, RunSpec) else spec_or_hash
         return Path(self.root) / f"{h}.nc"
 
+    def lock(self, spec_or_hash: RunSpec | str) -> FileLock:
+        """The lock of one run, ``<root>/.locks/<spec_hash>.lock``: held while the run is written
+        (:meth:`save`) and while :func:`~stabstudy.run.runner.run_grid` computes it. It is an
+        ``flock`` on the file, so the operating system releases it when the holding process dies
+        (a crashed study leaves no lock anyone must remove). One object per file per process:
+        acquiring it again in the process that holds it is reentrant."""
+        h = spec_or_hash.spec_hash if isinstance(spec_or_hash, RunSpec) else spec_or_hash
+        folder = Path(self.root) / LOCKS_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        return _lock(str((folder / f"{h}.lock").resolve()))
+
+    def claim(self, spec_or_hash: RunSpec | str) -> bool:
+        """Take the run's :meth:`lock` without waiting: False when another process holds it."""
+        try:
+            self.lock(spec_or_hash).acquire(timeout=0)
+        except Timeout:
+            return False
+        return True
+
+    def release(self, spec_or_hash: RunSpec | str) -> None:
+        """Give back a :meth:`claim`."""
+        lock = self.lock(spec_or_hash)
+        if lock.is_locked:
+            lock.release()
+
+    def remove_stale_tmp(self) -> list[Path]:
+        """Delete the temporary files (``.<hash>.<random>.nc.tmp``) that no live process is writing:
+        those whose run's :meth:`lock` can be taken (an interrupted or killed writer's). Returns them."""
+        removed: list[Path] = []
+        for tmp in sorted(Path(self.root).glob(TMP_GLOB)):
+            h = tmp.name[1:].split(".", 1)[0]
+            try:
+                lock = self.lock(h)
+                if lock.is_locked or not self.claim(h):
+                    continue  # being written, here or by another process
+            except OSError:  # a store this process may read but not write: leave it as it is
+                return removed
+            try:
+                tmp.unlink(missing_ok=True)
+                removed.append(tmp)
+            finally:
+                self.release(h)
+        if removed:
+            log.warning("removed %d temporary file(s) left by an interrupted write in %s", len(removed), self.root)
+        return removed
+
     def save(self, ds: xr.Dataset, spec: RunSpec, status: str, wall_time_s: float, error: str = "",
              extra_attrs: dict | None = None, made_by: dict[str, str] | None = None) -> Path:
-        """Write a run atomically: a temporary file in the same folder, then ``os.replace``.
+        """Write a run atomically: a temporary file in the same folder, read back to stamp its
+        :func:`content_sha256`, then ``os.replace``; under the run's :meth:`lock` throughout.
         ``made_by``: see :func:`provenance`."""
         ds = conform(ds, spec) if status != "failed" else ds
         ds.attrs = _clean_attrs({**ds.attrs, **(extra_attrs or {}),
                                  **provenance(spec, status, wall_time_s, error, made_by)})
         for var in ds.variables.values():
             var.attrs = _clean_attrs(var.attrs)
+        ds.attrs.pop(CHECKSUM_ATTR, None)
         target = self.path(spec)
         target.parent.mkdir(parents=True, exist_ok=True)
         # not mkstemp: its files are private (0600); created like this the run gets the mode of a
         # plain write (0666 less the umask), so that a store shared by a group stays readable
         tmp = str(target.parent / f".{spec.spec_hash}.{uuid.uuid4().hex}.nc.tmp")
-        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
-        try:
-            ds.to_netcdf(tmp, engine=ENGINE)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with self.lock(spec):
+            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+            try:
+                ds.to_netcdf(tmp, engine=ENGINE)
+                _stamp(Path(tmp))
+                os.replace(tmp, target)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
         return target
 
     def save_failed(self, spec: RunSpec, error: str, wall_time_s: float, extra_attrs: dict | None = None,
@@ -209,21 +336,32 @@ class RunStore:
         if not p.exists():
             raise FileNotFoundError(f"no stored run {want} at {p}")
         try:
-            with xr.open_dataset(p, engine=ENGINE) as f:
-                ds = f.load()
+            ds = _read(p)
         except Exception as exc:  # netCDF4 raises OSError, RuntimeError, ValueError on damage
-            raise CorruptRunError(f"run file {p} is unreadable ({type(exc).__name__}: {exc})") from exc
+            raise CorruptRunError(f"run file {p} is unreadable ({type(exc).__name__}: {exc})", "unreadable") from exc
+        if CHECKSUM_ATTR not in ds.attrs:
+            raise UnverifiedRunError(f"run file {p} carries no checksum (written before stored runs had one), "
+                                     "so it cannot be checked: run_grid recomputes it", "no checksum")
+        digest = content_sha256(ds)
+        if ds.attrs[CHECKSUM_ATTR] != digest:
+            raise CorruptRunError(f"run file {p} does not match its checksum (content SHA-256 {digest}, "
+                                  f"recorded {ds.attrs[CHECKSUM_ATTR]}): its content changed after it was written",
+                                  "content does not match its checksum")
         if ds.attrs.get("spec_hash") != want or ds.attrs.get("status") not in STATUSES:
             raise CorruptRunError(f"run file {p} does not hold run {want} (attrs spec_hash="
-                                  f"{ds.attrs.get('spec_hash')!r}, status={ds.attrs.get('status')!r})")
+                                  f"{ds.attrs.get('spec_hash')!r}, status={ds.attrs.get('status')!r})",
+                                  "holds another run")
         return ds
 
     def status(self, spec_or_hash: RunSpec | str) -> str | None:
-        """``ok`` / ``diverged`` / ``failed`` for a readable stored run, ``corrupt``, or None if absent."""
+        """``ok`` / ``diverged`` / ``failed`` for a readable stored run, ``corrupt``, ``unverified``
+        (no checksum), or None if absent."""
         if not self.path(spec_or_hash).exists():
             return None
         try:
             return str(self.load(spec_or_hash).attrs["status"])
+        except UnverifiedRunError:
+            return "unverified"
         except CorruptRunError:
             return "corrupt"
 
@@ -237,7 +375,8 @@ class RunStore:
             try:
                 ds = self.load(h)
             except CorruptRunError as exc:
-                rows.append({"spec_hash": h, "status": "corrupt", "error": str(exc)})
+                rows.append({"spec_hash": h, "status": "unverified" if isinstance(exc, UnverifiedRunError)
+                             else "corrupt", "error": str(exc)})
                 continue
             spec = RunSpec.from_json(ds.attrs["spec"])
             rows.append({
@@ -249,6 +388,15 @@ class RunStore:
                 "version_drift": "; ".join(version_drift(ds.attrs, spec.domain)),
             })
         return pd.DataFrame(rows)
+
+
+def _stamp(path: Path) -> None:
+    """Record :func:`content_sha256` of the file at ``path`` (as :meth:`RunStore.load` reads it) in it."""
+    import netCDF4
+
+    digest = content_sha256(_read(path))
+    with netCDF4.Dataset(path, "a") as f:
+        f.setncattr(CHECKSUM_ATTR, digest)
 
 
 def run_coords(spec: RunSpec) -> dict[str, object]:
