@@ -63,7 +63,7 @@ def test_study_summary_names_where_things_went(tmp_path, capsys, monkeypatch):
     """The closing line points at the folders actually used ($STABSTUDY_DATA / _FIGURES honoured)."""
     monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path / "figs"))
-    monkeypatch.setattr(study, "run_study", lambda profile, only, scheduler: [("00_x", 1.0)])
+    monkeypatch.setattr(study, "run_study", lambda profile, only, scheduler, **kw: [("00_x", 1.0)])
     assert main(["study", "--profile", "smoke", "--only", "00"]) == 0
     out = capsys.readouterr().out
     assert f"figures in {tmp_path / 'figs'}/" in out and f"runs in {tmp_path / 'data' / 'runs'}/" in out
@@ -193,3 +193,65 @@ def test_terminal_progress_in_a_log_file_draws_start_and_end_only(tmp_path, caps
         bars.poll()
     err = capsys.readouterr().err
     assert err.count("\r") == 2 and "0/10" in err and "10/10" in err
+
+
+def test_retry_failed_reaches_every_notebooks_grids(monkeypatch):
+    """--retry-failed becomes the notebooks' retry_failed parameter, which each passes to every grid."""
+    import ast
+    import re
+
+    import nbformat
+
+    seen = {}
+    monkeypatch.setattr(study, "run_study", lambda profile, only, scheduler, **kw: seen.update(kw) or [])
+    assert main(["study", "--profile", "smoke", "--only", "00", "--retry-failed"]) == 0
+    assert seen == {"retry_failed": True}
+    assert main(["study", "--profile", "smoke", "--only", "00"]) == 0 and seen == {"retry_failed": False}
+    for nb in study.notebooks():
+        assert study.parameters_for(nb, "smoke", None, True)["retry_failed"] is True
+        cells = nbformat.read(nb, as_version=4).cells
+        (params,) = [c.source for c in cells if "parameters" in c.metadata.get("tags", [])]
+        names = {t.id: ast.literal_eval(n.value) for n in ast.parse(params).body for t in n.targets}
+        assert names.get("retry_failed") is False, nb.name
+        calls = [m for c in cells if c.cell_type == "code" for m in re.findall(r"run_grid\(.*\)", c.source)]
+        assert calls and all("retry_failed=retry_failed" in m for m in calls), (nb.name, calls)
+
+
+def test_an_unreachable_scheduler_is_reported_before_papermill_starts(monkeypatch, capsys):
+    import time
+
+    import papermill
+
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: pytest.fail("papermill started"))
+    t0 = time.monotonic()
+    assert main(["study", "--profile", "smoke", "--only", "00", "--scheduler", "tcp://127.0.0.1:1"]) == 2
+    assert time.monotonic() - t0 < 20  # distributed's default waits 30 s
+    err = capsys.readouterr().err
+    assert "stabstudy study: error: no Dask scheduler answers at 'tcp://127.0.0.1:1'" in err
+
+
+def test_corrupt_and_failed_runs_are_listed_on_the_terminal(tmp_store, tmp_path, monkeypatch, capsys):
+    """What the kernel's grids say about stored runs shows on the study's terminal, named by notebook."""
+    import nbformat
+    import papermill
+
+    from stabstudy.run import runner
+    from stabstudy.spec import RunSpec
+
+    good = RunSpec("toy", "gd", "digits", steps=3, seed=0, hparams={"width": 8})
+    bad = good.replace(task="no-such-task")
+    runner.run_grid([good], scheduler="serial", store=tmp_store, progress=False)
+    tmp_store.path(good).write_bytes(b"damaged")
+    src = tmp_path / "00_fake.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), src)
+    monkeypatch.setattr(study, "notebooks", lambda: [src])
+
+    def fake_execute(input_path, output_path, **kw):  # the kernel, in this process
+        runner.run_grid([good, bad], scheduler="serial", store=tmp_store, progress=False)
+        nbformat.write(nbformat.v4.new_notebook(), output_path)
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    study.run_study("smoke", out_dir=tmp_path / "build")
+    err = capsys.readouterr().err
+    assert f"00_fake: stored run {good.spec_hash}.nc is corrupt (unreadable); recomputing" in err
+    assert f"00_fake: run {bad.label} failed; traceback stored in {bad.spec_hash}.nc" in err

@@ -61,7 +61,7 @@ def test_interrupt_leaves_no_partial_file_and_rerun_resumes(tmp_store, monkeypat
     monkeypatch.setattr(runner, "execute", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
-    assert sorted(p.name for p in tmp_store.root.iterdir()) == [f"{specs[0].spec_hash}.nc"]
+    assert sorted(p.name for p in tmp_store.root.iterdir()) == [".locks", f"{specs[0].spec_hash}.nc"]
     monkeypatch.setattr(runner, "execute", real)
     recs = run_grid(specs, scheduler="serial", store=tmp_store, progress=False)
     assert [r.cached for r in recs] == [True, False, False]
@@ -173,3 +173,122 @@ def test_bar_outside_a_terminal_is_drawn_at_start_and_end_only(tmp_store, capsys
     run_grid([toy(s) for s in range(4)], scheduler="serial", store=tmp_store, progress=True)
     err = capsys.readouterr().err
     assert err.count("\r") == 2 and "0/4" in err and "4/4" in err
+
+
+#: One study's grid on a shared store, in its own process: waits until both processes are ready,
+#: runs the grid with each run slowed to 1 s (so that the two overlap), writes the hashes it computed.
+GRID = """
+import json, sys, time
+from pathlib import Path
+from stabstudy.run import runner
+from stabstudy.run.store import RunStore
+from stabstudy.spec import RunSpec
+
+root, me, n = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+specs = [RunSpec("toy", "gd", "digits", steps=4, seed=s, hparams={"width": 8}) for s in range(n)]
+real = runner.execute
+runner.execute = lambda spec, threads=None: (time.sleep(1.0), real(spec, threads))[1]
+(root / f"ready-{me}").touch()
+while len(list(root.glob("ready-*"))) < 2:
+    time.sleep(0.05)
+recs = runner.run_grid(specs, scheduler="serial", store=RunStore(root / "runs"), progress=False)
+(root / f"computed-{me}.json").write_text(json.dumps([r.spec.spec_hash for r in recs if not r.cached]))
+"""
+
+
+def test_two_studies_on_one_store_compute_each_run_once(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    n = 6
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", GRID, str(tmp_path), me, str(n)], env=env) for me in "ab"]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
+    computed = {me: json.loads((tmp_path / f"computed-{me}.json").read_text()) for me in "ab"}
+    every = computed["a"] + computed["b"]
+    assert len(every) == len(set(every)) == n  # each run computed once, by one of the two
+    assert computed["a"] and computed["b"]  # and both did some: the second computed other runs
+
+
+def test_a_grid_waits_for_a_run_another_process_holds_and_takes_it_over_when_that_process_dies(tmp_store, hold_lock):
+    import signal
+    import threading
+
+    s = toy(0, steps=4)
+    holder = hold_lock(tmp_store.root, s.spec_hash)
+    out: list = []
+    grid = threading.Thread(target=lambda: out.extend(
+        run_grid([s], scheduler="serial", store=tmp_store, progress=False)))
+    try:
+        grid.start()
+        grid.join(timeout=3 * runner.WAIT_POLL_S)
+        assert grid.is_alive() and not tmp_store.path(s).exists()  # waiting for the holder
+        assert any("being computed by another process" in n for n in runner._NOTES)
+    finally:
+        holder.send_signal(signal.SIGKILL)  # the holder crashes: its lock goes with it
+        holder.wait()
+    grid.join(timeout=120)
+    assert not grid.is_alive() and out[0].status == "ok" and not out[0].cached
+
+
+def test_a_run_another_process_stored_while_we_waited_is_reused(tmp_store, monkeypatch):
+    s = toy(0, steps=4)
+    other = runner.execute(s)
+    assert tmp_store.claim(s)  # "another process": claims are per lock object, this one is shared
+    calls = []
+    real = runner._Claims._take
+
+    def take(self, spec):
+        if not calls:  # first look: held elsewhere; meanwhile the holder stores its result and lets go
+            calls.append(spec)
+            runner._store_result(tmp_store, spec, other)
+            tmp_store.release(spec)
+            return False
+        return real(self, spec)
+
+    monkeypatch.setattr(runner._Claims, "_take", take)
+    monkeypatch.setattr(runner, "execute", lambda *a, **k: pytest.fail("recomputed a run another process stored"))
+    (rec,) = run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert rec.cached and rec.status == "ok"
+
+
+def test_an_unreachable_scheduler_is_named_within_seconds():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(runner.SchedulerUnreachableError, match="tcp://127.0.0.1:1.*dask scheduler"):
+        runner.get_client("tcp://127.0.0.1:1")
+    assert time.monotonic() - t0 < 4 * runner.SCHEDULER_TIMEOUT_S  # distributed's default waits 30 s
+
+
+def test_a_refused_checkpoint_says_what_to_run_and_that_recomputes_the_fork(tmp_store, monkeypatch, capsys):
+    """The error a fork stores names the files to delete and `--retry-failed`; doing that trains
+    the prefix again and recomputes the fork, which plain reruns reuse as failed."""
+    import re
+    import shlex
+    import subprocess
+
+    from stabstudy.learners.rl import forks
+
+    monkeypatch.delenv("STABSTUDY_CHECKPOINTS", raising=False)
+    hp = dict(hidden=16, batch_size=32, learning_starts=50, eval_episodes=1, eval_max_steps=50, diag_every=5)
+    fork = RunSpec("rl", "td3", "Pendulum-v1", 448, 0, hparams={**hp, "prefix_steps": 256}, eval_every=64)
+    prefix = forks.prefix_key(fork)
+    assert [r.status for r in run_grid([prefix], scheduler="serial", store=tmp_store, progress=False)] == ["ok"]
+    path = forks.checkpoint_path(prefix)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    assert run_grid([fork], scheduler="serial", store=tmp_store, progress=False)[0].status == "failed"
+    advice = tmp_store.load(fork).attrs["error"].strip().splitlines()[-1]
+    assert "`stabstudy study --retry-failed`" in advice and "retry_failed=True" in advice
+    rm = re.search(r"`(rm [^`]+)`", advice).group(1)
+    subprocess.run(shlex.split(rm), check=True)
+    assert not path.exists() and not forks.sidecar_path(prefix).exists()
+    assert run_grid([fork], scheduler="serial", store=tmp_store, progress=False)[0].cached  # failed is data
+    recs = run_grid([prefix], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)
+    assert not recs[0].cached and forks.has_checkpoint(prefix)  # trained again: its checkpoint was gone
+    (rec,) = run_grid([fork], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)
+    assert (rec.status, rec.cached) == ("ok", False)

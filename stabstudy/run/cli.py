@@ -18,7 +18,13 @@ def _cmd_study(args: argparse.Namespace) -> int:
         return 2
     if args.rerun_stale:
         os.environ["STABSTUDY_RERUN_STALE"] = "1"  # read by run_grid inside the notebooks' kernels
-    timings = study.run_study(args.profile, args.only, args.scheduler)
+    from stabstudy.run.runner import SchedulerUnreachableError
+
+    try:
+        timings = study.run_study(args.profile, args.only, args.scheduler, retry_failed=args.retry_failed)
+    except SchedulerUnreachableError as exc:
+        print(f"stabstudy study: error: {exc}", file=sys.stderr)
+        return 2
     total = sum(t for _, t in timings)
     print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s; "
           f"executed copies in {paths.build_dir() / args.profile}/, figures in {paths.figures_dir()}/, "
@@ -42,6 +48,14 @@ def _cmd_runs(args: argparse.Namespace) -> int:
         print(table.drop(columns=[c for c in ("error",) if c in table]).to_string(index=False))
     counts = table["status"].value_counts().to_dict()
     print(f"{len(table)} runs in {store.root}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    stale = int((table.get("version_drift", pd.Series(dtype=str)).fillna("") != "").sum())
+    if stale:
+        print(f"{stale} runs were made with other versions (column version_drift: stored -> installed); "
+              "`stabstudy study --rerun-stale` recomputes them")
+    if counts.get("corrupt") or counts.get("unverified"):
+        print("corrupt and unverified (no checksum) runs are recomputed by the next `stabstudy study`")
+    if counts.get("failed"):
+        print("failed runs stay as they are; `stabstudy study --retry-failed` recomputes them")
     return 0
 
 
@@ -87,11 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scheduler", default=None,
                    help="Dask scheduler address (default: $STABSTUDY_SCHEDULER, else an embedded LocalCluster)")
     p.add_argument("--rerun-stale", action="store_true",
-                   help="recompute stored runs made with other package versions (`stabstudy runs` lists them)")
+                   help="recompute stored runs made with another stabstudy version or other package versions "
+                        "(`stabstudy runs` lists them; a different git commit alone is no reason)")
+    p.add_argument("--retry-failed", action="store_true",
+                   help="recompute stored runs whose status is failed (the notebooks' retry_failed parameter)")
     p.set_defaults(func=_cmd_study)
 
     p = sub.add_parser("runs", help="list stored runs as a table", description="List stored runs (data/runs).")
-    p.add_argument("--status", choices=("ok", "diverged", "failed", "corrupt"), help="only runs with this status")
+    p.add_argument("--status", choices=("ok", "diverged", "failed", "corrupt", "unverified"),
+                   help="only runs with this status (unverified: no checksum, written before runs had one)")
     p.add_argument("--data", help="run store folder (default: data/runs)")
     p.set_defaults(func=_cmd_runs)
 

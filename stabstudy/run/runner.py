@@ -6,6 +6,11 @@ rest on a ``dask.distributed`` cluster and writes each result atomically from
 the client as it completes. Learners run on workers and return Datasets; they
 know nothing of Dask or the store.
 
+Concurrent grids on one store share the work: a run is claimed (its lock file,
+:meth:`stabstudy.run.store.RunStore.claim`) before it is computed and released when it is
+stored, so a second grid computes the runs nobody holds and then waits for the rest,
+reusing what the other stored. A crashed holder's claim ends with its process.
+
 Scheduler choice (first that applies): the ``scheduler`` argument, the
 ``STABSTUDY_SCHEDULER`` environment variable, else an embedded
 ``LocalCluster`` with one single-threaded worker process per core.
@@ -20,6 +25,7 @@ into the notebook.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
@@ -39,7 +45,13 @@ import xarray as xr
 from tqdm.std import tqdm
 
 from stabstudy.registry import learner_for
-from stabstudy.run.store import CorruptRunError, RunStore, code_identity, version_drift
+from stabstudy.run.store import (
+    CorruptRunError,
+    RunStore,
+    UnverifiedRunError,
+    code_identity,
+    version_drift,
+)
 from stabstudy.spec import RunSpec
 
 log = logging.getLogger(__name__)
@@ -49,7 +61,20 @@ PROGRESS_ENV = "STABSTUDY_PROGRESS_FILE"
 #: Seconds between redraws of the bar where stderr is not a terminal (a notebook): a stored
 #: notebook keeps every redraw, so a few are enough (the terminal's bar comes from the file).
 NOTEBOOK_MININTERVAL_S = 30.0
+#: Seconds between two looks at runs another process is computing.
+WAIT_POLL_S = 1.0
+#: Seconds to reach a Dask scheduler before giving up (distributed's own default is 30).
+SCHEDULER_TIMEOUT_S = 5.0
 _GRID_NUMBERS = itertools.count(1)
+#: What this process's grids said about stored runs (corrupt, stale, failed, waiting), in order:
+#: printed where they happen and written to the progress file, so the study's terminal lists them.
+_NOTES: list[str] = []
+
+
+def note(message: str) -> None:
+    """Print ``stabstudy: message`` and keep it for the study's terminal (:attr:`GridProgress.notes`)."""
+    print(f"stabstudy: {message}", flush=True)
+    _NOTES.append(message)
 
 
 @dataclass(frozen=True)
@@ -70,6 +95,8 @@ class GridProgress:
     on the same machine (the study's terminal) can compare with its own."""
     elapsed_s: float
     finished: bool = False
+    notes: tuple[str, ...] = ()
+    """Everything :func:`note` said in this process so far (corrupt, stale and failed runs, waits)."""
 
 
 def write_progress(path: str | Path, state: GridProgress) -> None:
@@ -87,7 +114,8 @@ def read_progress(path: str | Path) -> GridProgress | None:
         return GridProgress(pid=int(d["pid"]), grid=int(d["grid"]), done=int(d["done"]), total=int(d["total"]),
                             cached=int(d["cached"]), started_at=float(d["started_at"]),
                             elapsed_s=float(d["elapsed_s"]),
-                            finished=bool(d.get("finished", False)))
+                            finished=bool(d.get("finished", False)),
+                            notes=tuple(str(n) for n in d.get("notes", ())))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
@@ -122,7 +150,7 @@ class _Progress:
         if not self.file:
             return
         state = GridProgress(os.getpid(), self.grid, self.done, self.total, self.cached, self.started_at,
-                             time.monotonic() - self.t0, finished)
+                             time.monotonic() - self.t0, finished, tuple(_NOTES))
         try:
             write_progress(self.file, state)
         except OSError as e:  # the terminal's bar is a convenience: never fail a grid over it
@@ -187,12 +215,13 @@ def _worker_task(spec: RunSpec) -> tuple[tuple[xr.Dataset | None, str, str, floa
 
 def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = False,
             statuses: dict[str, str | None] | None = None) -> list[RunSpec]:
-    """Specs that still need running: absent, corrupt, stored by another
-    :func:`results_version` of their learner, stale by the learner module's own
-    ``stale(spec, attrs) -> reason | None`` where it has one (an LM run whose corpus
-    file changed since), or failed when ``retry_failed``. Runs stored under other package
-    versions (:func:`stabstudy.run.store.version_drift`) are recomputed only on request:
-    ``$STABSTUDY_RERUN_STALE=1`` (``stabstudy study --rerun-stale``); ``stabstudy runs`` lists them.
+    """Specs that still need running: absent, corrupt, without a checksum (written before runs
+    carried one), stored by another :func:`results_version` of their learner, stale by the learner
+    module's own ``stale(spec, attrs) -> reason | None`` where it has one (an LM run whose corpus
+    file changed since), or failed when ``retry_failed``. Runs stored under another
+    ``stabstudy_version`` or other package versions (:func:`stabstudy.run.store.version_drift`;
+    the git commit is not one) are recomputed only on request: ``$STABSTUDY_RERUN_STALE=1``
+    (``stabstudy study --rerun-stale``); ``stabstudy runs`` lists them.
 
     ``statuses`` (spec hash -> stored status), when given, is filled in so that
     callers need not read the store twice.
@@ -216,13 +245,17 @@ def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = Fals
                 drift = version_drift(stored.attrs, spec.domain)
                 why = f"was made with other package versions ({'; '.join(drift)})" if drift else None
             if why:
-                print(f"stabstudy: stored run {store.path(spec).name} {why}; recomputing {spec.label}")
+                note(f"stored run {store.path(spec).name} {why}; recomputing {spec.label}")
                 st = "stale"
         except FileNotFoundError:
             st = None
-        except CorruptRunError:
+        except UnverifiedRunError:
+            note(f"stored run {store.path(spec).name} carries no checksum (written before runs had one); "
+                 f"recomputing {spec.label}")
+            st = "stale"
+        except CorruptRunError as exc:
             log.warning("stored run %s is corrupt; recomputing", store.path(spec))
-            print(f"stabstudy: stored run {store.path(spec).name} is corrupt; recomputing {spec.label}")
+            note(f"stored run {store.path(spec).name} is corrupt ({exc.reason}); recomputing {spec.label}")
             st = "corrupt"
         if statuses is not None:
             statuses[spec.spec_hash] = st
@@ -232,6 +265,31 @@ def pending(specs: Iterable[RunSpec], store: RunStore, retry_failed: bool = Fals
 
 
 _CLUSTERS: dict[str, object] = {}
+
+
+class SchedulerUnreachableError(ConnectionError):
+    """No Dask scheduler answered at the address given."""
+
+
+def connect(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S):
+    """A ``distributed.Client`` to the scheduler at ``address``; :class:`SchedulerUnreachableError`
+    naming the address when none answers within ``timeout_s`` seconds."""
+    from distributed import Client
+
+    try:
+        return Client(address, timeout=timeout_s)
+    except (OSError, TimeoutError, ValueError, TypeError) as exc:  # refused, timed out, not an address
+        raise SchedulerUnreachableError(
+            f"no Dask scheduler answers at {address!r} within {timeout_s:g} s ({type(exc).__name__}: {exc}); "
+            "start one there (`dask scheduler`), or leave the scheduler out for an embedded LocalCluster "
+            "(or 'serial' to run in this process)") from exc
+
+
+def check_scheduler(address: str, timeout_s: float = SCHEDULER_TIMEOUT_S) -> None:
+    """Raise :class:`SchedulerUnreachableError` unless a scheduler answers at ``address`` within
+    ``timeout_s`` (``"serial"`` needs none)."""
+    if address != "serial":
+        connect(address, timeout_s).close()
 
 
 def get_client(scheduler: str | None = None, n_workers: int | None = None):
@@ -244,7 +302,7 @@ def get_client(scheduler: str | None = None, n_workers: int | None = None):
     if client is not None and client.status == "running":
         return client
     if address:
-        client = Client(address)
+        client = connect(address)
     else:
         n = n_workers or os.cpu_count() or 1
         cluster = LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0",
@@ -272,11 +330,85 @@ def _store_result(store: RunStore, spec: RunSpec, result: tuple, producer: dict 
     code = {k: v for k, v in producer.items() if k != "results_version"}
     if status == "failed":
         store.save_failed(spec, error, wall, extra_attrs=version, made_by=code)
-        print(f"stabstudy: run {spec.label} failed; traceback stored in {store.path(spec).name}:\n"
-              + error.strip().splitlines()[-1])
+        note(f"run {spec.label} failed; traceback stored in {store.path(spec).name}:\n"
+             + (error.strip().splitlines() or ["(no traceback)"])[-1])
     else:
         store.save(ds, spec, status, wall, extra_attrs=version, made_by=code)
     return RunRecord(spec, status, False, wall, error)
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells one version of a stored file from the next: inode, size, mtime (None: absent)."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+class _Claims:
+    """The runs of a grid still to compute, handed out one at a time under their lock.
+
+    :meth:`next` claims a run nobody else holds; a run held by another process is set aside and
+    tried again later. Once claimed, a run whose file changed since the grid looked at the store
+    was stored by that other process: it is used as stored (``found``) unless :func:`pending`
+    still wants it recomputed (corrupt, stale)."""
+
+    def __init__(self, work: list[RunSpec], store: RunStore, seen: dict[str, tuple | None]) -> None:
+        self.store, self.seen = store, seen
+        self.queue = collections.deque(work)
+        self.waiting: list[RunSpec] = []
+        self.held: set[str] = set()
+        self.found: dict[str, str] = {}
+        """spec hash -> status of runs another process stored meanwhile."""
+        self._announced = False
+
+    def _take(self, s: RunSpec) -> bool | None:
+        """True: claimed and still to compute; False: held elsewhere; None: stored meanwhile."""
+        if not self.store.claim(s):
+            return False
+        if _signature(self.store.path(s)) != self.seen.get(s.spec_hash):
+            statuses: dict[str, str | None] = {}
+            if not pending([s], self.store, statuses=statuses):  # retried there already: not again
+                self.store.release(s)
+                self.found[s.spec_hash] = statuses[s.spec_hash] or "ok"
+                return None
+        self.held.add(s.spec_hash)
+        return True
+
+    def next(self, block: bool) -> RunSpec | None:
+        """A claimed run to compute, or None: nothing left, or (``block`` False) nothing free now.
+        With ``block``, waits for runs other processes hold until each is stored or free."""
+        while True:
+            while self.queue:
+                s = self.queue.popleft()
+                got = self._take(s)
+                if got:
+                    return s
+                if got is False:
+                    self.waiting.append(s)
+            for s in list(self.waiting):
+                got = self._take(s)
+                if got is not False:
+                    self.waiting.remove(s)
+                if got:
+                    return s
+            if not self.waiting or not block:
+                return None
+            if not self._announced:
+                note(f"{len(self.waiting)} run(s) are being computed by another process (locks in "
+                     f"{Path(self.store.root) / '.locks'}); waiting to use what it stores")
+                self._announced = True
+            time.sleep(WAIT_POLL_S)
+
+    def done(self, s: RunSpec) -> None:
+        self.held.discard(s.spec_hash)
+        self.store.release(s)
+
+    def release_all(self) -> None:
+        for h in list(self.held):
+            self.held.discard(h)
+            self.store.release(h)
 
 
 def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunStore | None = None, *,
@@ -291,10 +423,13 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
         progress: show a tqdm bar of runs done / total (redrawn every
             :data:`NOTEBOOK_MININTERVAL_S` where stderr is not a terminal). Progress is
             written to ``$STABSTUDY_PROGRESS_FILE`` whenever that is set, shown or not.
-        retry_failed: rerun specs stored as failed.
+        retry_failed: rerun specs stored as failed (``stabstudy study --retry-failed``).
         n_workers: LocalCluster size (default: one per core).
 
-    Ctrl-C cancels outstanding runs; finished runs stay stored (each written
+    Each run is claimed (:meth:`RunStore.claim`) while it is computed: another grid on the same
+    store computes other runs, then waits for these and reuses them (``cached``). On Dask, at most
+    twice as many runs as the cluster has threads are claimed at a time, so that two grids share
+    the work. Ctrl-C cancels outstanding runs; finished runs stay stored (each written
     atomically), so calling again resumes.
     """
     store = store or RunStore()
@@ -303,6 +438,7 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
         if not isinstance(s, RunSpec):
             raise TypeError(f"run_grid takes RunSpec objects, got {type(s).__name__}")
     specs = list({s.spec_hash: s for s in specs}.values())
+    seen = {s.spec_hash: _signature(store.path(s)) for s in specs}  # before reading: a later write shows
     statuses: dict[str, str | None] = {}
     todo = {s.spec_hash for s in pending(specs, store, retry_failed, statuses)}
     records: dict[str, RunRecord] = {}
@@ -311,31 +447,53 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
             records[s.spec_hash] = RunRecord(s, statuses[s.spec_hash] or "ok", True, 0.0)
     work = [s for s in specs if s.spec_hash in todo]
     bar = _Progress(len(specs), len(specs) - len(work), progress)
+    claims = _Claims(work, store, seen)
+
+    def next_run(block: bool) -> RunSpec | None:
+        s = claims.next(block)
+        for h, st in claims.found.items():  # stored by another process meanwhile
+            records[h] = RunRecord(next(x for x in work if x.spec_hash == h), st, True, 0.0)
+            bar.update()
+        claims.found.clear()
+        return s
+
     try:
         if not work:
             pass
         elif (scheduler or os.environ.get("STABSTUDY_SCHEDULER")) == "serial":
-            for s in work:
+            while (s := next_run(block=True)) is not None:
                 records[s.spec_hash] = _store_result(store, s, execute(s))
+                claims.done(s)
                 bar.update()
         else:
             from distributed import as_completed
 
             client = get_client(None if scheduler == "serial" else scheduler, n_workers)
-            futures = {client.submit(_worker_task, s, key=f"run-{s.spec_hash}", pure=False): s for s in work}
+            window = 2 * max(1, sum(client.nthreads().values()))
+            futures: dict = {}
+            running = as_completed()
             try:
-                for fut in as_completed(futures):
-                    s = futures[fut]
+                while True:
+                    while len(futures) < window and (s := next_run(block=not futures)) is not None:
+                        fut = client.submit(_worker_task, s, key=f"run-{s.spec_hash}", pure=False)
+                        futures[fut] = s
+                        running.add(fut)
+                    if not futures:
+                        break
+                    fut = next(running)
+                    s = futures.pop(fut)
                     try:
                         result, producer = fut.result()
                     except Exception:  # a worker died (e.g. out of memory): record, go on
                         result, producer = (None, "failed", traceback.format_exc(), float("nan")), None
                     records[s.spec_hash] = _store_result(store, s, result, producer)
+                    claims.done(s)
                     bar.update()
             except BaseException:
                 client.cancel(list(futures))
                 raise
     finally:
+        claims.release_all()
         bar.close()
     return [records[s.spec_hash] for s in specs]
 
@@ -349,5 +507,6 @@ def summarize(records: Iterable[RunRecord]) -> dict[str, int]:
     return out
 
 
-__all__ = ["RunRecord", "run_grid", "GridProgress", "PROGRESS_ENV", "write_progress", "read_progress", "execute", "pending", "get_client", "close_clients", "summarize",
-           "learner_for", "results_version", "CorruptRunError"]
+__all__ = ["RunRecord", "run_grid", "GridProgress", "PROGRESS_ENV", "write_progress", "read_progress", "execute", "pending",
+           "get_client", "connect", "check_scheduler", "SchedulerUnreachableError", "close_clients", "summarize",
+           "note", "learner_for", "results_version", "CorruptRunError"]

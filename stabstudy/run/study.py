@@ -9,7 +9,8 @@ profile only changes sizes, never the code path. Executed copies go to
 While a notebook runs, the terminal shows papermill's cell bar and, for each
 grid the notebook runs, a bar of runs done / total with an ETA, read from the
 file the kernel's :func:`stabstudy.run.runner.run_grid` writes its progress to
-(``$STABSTUDY_PROGRESS_FILE``, set here for each notebook). The executed copy is
+(``$STABSTUDY_PROGRESS_FILE``, set here for each notebook), and the notes the kernel's grids
+make (corrupt, stale or failed runs, waits for another study's runs). The executed copy is
 then stored as a reader sees it: consecutive stream outputs merged, progress bars
 reduced to their last state (:func:`collapse_streams`); warnings it printed are
 repeated on the terminal (:func:`warnings_in`).
@@ -68,10 +69,10 @@ def select(only: Sequence[str] | None) -> list[Path]:
     return sorted(chosen)
 
 
-def parameters_for(nb: Path, profile: str, scheduler: str | None) -> dict[str, Any]:
+def parameters_for(nb: Path, profile: str, scheduler: str | None, retry_failed: bool = False) -> dict[str, Any]:
     """The parameters papermill injects into ``nb`` for ``profile``."""
     params = dict(load_profile(profile).get(nb.stem, {}))
-    params.update(profile=profile, scheduler=scheduler or "")
+    params.update(profile=profile, scheduler=scheduler or "", retry_failed=bool(retry_failed))
     return params
 
 
@@ -141,6 +142,7 @@ class TerminalProgress:
         self.bar: Any = None
         self._grid: tuple[int, int] | None = None
         self._finished: set[tuple[int, int]] = set()
+        self._noted: dict[int, int] = {}  # kernel pid -> notes already printed
         self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"progress-{notebook}", daemon=True)
@@ -172,6 +174,9 @@ class TerminalProgress:
         state = read_progress(self.path)
         if state is None:
             return
+        for text in state.notes[self._noted.get(state.pid, 0):]:  # corrupt, stale, failed runs: as they happen
+            tqdm.write(f"   {self.notebook}: " + text.replace("\n", "\n     "), file=sys.stderr)
+        self._noted[state.pid] = len(state.notes)
         key = (state.pid, state.grid)
         if key in self._finished:
             return  # the grid ended and its bar is closed; the next one has not started
@@ -200,19 +205,25 @@ class TerminalProgress:
 
 
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
-              out_dir: Path | None = None) -> list[tuple[str, float]]:
+              out_dir: Path | None = None, retry_failed: bool = False) -> list[tuple[str, float]]:
     """Execute the selected notebooks in order; return ``(stem, seconds)`` per notebook.
 
-    Validation happens before anything is executed or written. Stops at the
-    first failing notebook (papermill keeps the executed copy with the error).
-    Each executed copy is stored with :func:`collapse_streams` applied.
+    Validation happens before anything is executed or written, the scheduler's too: one that does
+    not answer (``scheduler``, else ``$STABSTUDY_SCHEDULER``) raises
+    :class:`~stabstudy.run.runner.SchedulerUnreachableError` within seconds, naming its address.
+    Stops at the first failing notebook (papermill keeps the executed copy with the error).
+    Each executed copy is stored with :func:`collapse_streams` applied. ``retry_failed``: every
+    notebook's grids recompute the runs stored as failed.
     """
     import papermill as pm
 
-    from stabstudy.run.runner import PROGRESS_ENV
+    from stabstudy.run.runner import PROGRESS_ENV, check_scheduler
 
     load_profile(profile)  # validate first: nothing is written for a bad profile
     selected = select(only)
+    address = scheduler or os.environ.get("STABSTUDY_SCHEDULER")
+    if address:
+        check_scheduler(address)
     out_dir = out_dir or paths.build_dir() / profile
     out_dir.mkdir(parents=True, exist_ok=True)
     timings = []
@@ -228,7 +239,7 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                 try:
                     with TerminalProgress(nb.stem, progress):
                         pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
-                                            parameters=parameters_for(nb, profile, scheduler),
+                                            parameters=parameters_for(nb, profile, scheduler, retry_failed),
                                             kernel_name="python3", progress_bar=True)
                 finally:  # a failed notebook's executed copy is read too
                     _tidy(out_dir / nb.name)

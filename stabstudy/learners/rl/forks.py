@@ -236,8 +236,9 @@ def remedy(h: str, root: Path | None = None) -> str:
     """What to run about a refused checkpoint ``h``: delete it (a fork without a checkpoint trains
     its prefix again)."""
     files = " ".join(shlex.quote(str(p)) for p in (checkpoint_path(h, root), sidecar_path(h, root)))
-    return (f"Delete it and its sidecar to train the prefix again: rm {files} (then run the study again; "
-            "its forks train the prefix before they continue)")
+    return (f"To train the prefix again and recompute its forks stored as failed, run `rm {files}` then "
+            "`stabstudy study --retry-failed` (in a notebook: retry_failed = True; in Python: "
+            "run_grid(..., retry_failed=True))")
 
 
 def load(h: str, model: BaseAlgorithm, root: Path | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
