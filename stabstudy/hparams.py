@@ -145,29 +145,36 @@ class ToyHParams(ControlHParams):
 
 
 @dataclass(frozen=True)
-class GPTHParams(ControlHParams):
-    """The byte-level GPT of the ``lm`` domain (learner ``gpt``)."""
+class GPTArch:
+    """The architecture of the byte-level GPT: the fields :class:`GPTHParams` and
+    :class:`stabstudy.learners.gpt.GPTConfig` share (defined once, here)."""
 
     n_layer: Count = 2
     """transformer blocks"""
     n_head: Count = 2
-    """attention heads"""
+    """attention heads per block (must divide n_embd)"""
     n_embd: Count = 64
-    """residual width"""
+    """residual-stream width"""
     block_size: Count = 64
-    """context length (tokens)"""
+    """context length (tokens, positions)"""
     dropout: Beta = 0.0
-    """dropout probability"""
+    """dropout probability on attention weights and residual branches"""
     qk_layernorm: bool = False
-    """LayerNorm on queries and keys"""
+    """LayerNorm on queries and keys before the dot product (Wortsman et al. 2023)"""
     z_loss: NonNegative = 0.0
-    """z-loss coefficient (1e-4 in Wortsman et al. 2023)"""
+    """coefficient of the z-loss coef * mean(log^2 Z) added to the cross-entropy (1e-4 in Wortsman et al. 2023)"""
     init_scale: Positive = 1.0
-    """multiplier of the init std"""
+    """multiplier of the initial weight std (base std 0.02, residual projections / sqrt(2 n_layer))"""
     tie_weights: bool = True
-    """tie embedding and output head"""
+    """share the token-embedding matrix with the output head"""
     post_ln: bool = False
-    """post-LayerNorm blocks (LN after each residual sum, original Transformer) instead of pre-LN"""
+    """post-LayerNorm blocks x = LN(x + f(x)) (original Transformer) instead of pre-LN x = x + f(LN(x))"""
+
+
+@dataclass(frozen=True)
+class GPTHParams(GPTArch, ControlHParams):
+    """The byte-level GPT of the ``lm`` domain (learner ``gpt``)."""
+
     batch_size: Count = 16
     """sequences per step"""
     lr: Positive = 1e-3

@@ -110,3 +110,19 @@ def test_same_seed_same_model_and_device_auto():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto").type == expected
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_the_config_is_built_from_the_architecture_fields_the_hyperparameters_share():
+    import dataclasses
+
+    from stabstudy.hparams import GPTArch, GPTHParams, merged
+    from stabstudy.learners.lm import model_config
+
+    arch = [f.name for f in dataclasses.fields(GPTArch)]
+    assert issubclass(GPTHParams, GPTArch) and issubclass(GPTConfig, GPTArch)
+    assert [f.name for f in dataclasses.fields(GPTConfig)] == [*arch, "vocab_size", "bias"]
+    changed = {"n_layer": 3, "n_head": 4, "n_embd": 48, "block_size": 24, "dropout": 0.1, "qk_layernorm": True,
+               "z_loss": 1, "init_scale": 2, "tie_weights": False, "post_ln": True}
+    assert sorted(changed) == sorted(arch)  # every shared field reaches the model
+    cfg = model_config(merged(GPTHParams, changed, "t"))
+    assert {k: getattr(cfg, k) for k in arch} == changed and type(cfg.z_loss) is float and cfg.vocab_size == 256

@@ -21,41 +21,32 @@ per layer, the maximum absolute output logit, and the minimum attention entropy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stabstudy.hparams import GPTArch
 
-@dataclass
-class GPTConfig:
-    """Architecture of :class:`GPT`."""
+
+@dataclass(frozen=True)
+class GPTConfig(GPTArch):
+    """Architecture of :class:`GPT`: the fields of :class:`~stabstudy.hparams.GPTArch` (shared with the
+    ``lm`` learner's hyperparameters, documented there) and two the learner never changes."""
 
     vocab_size: int = 256
     """Number of token ids (256 for the byte-level corpus)."""
-    block_size: int = 64
-    """Maximum context length (positions)."""
-    n_layer: int = 2
-    """Number of transformer blocks."""
-    n_head: int = 2
-    """Attention heads per block (must divide n_embd)."""
-    n_embd: int = 64
-    """Residual-stream width."""
-    dropout: float = 0.0
-    """Dropout probability on attention weights and residual branches."""
     bias: bool = True
     """Biases in Linear and LayerNorm layers."""
-    qk_layernorm: bool = False
-    """LayerNorm on queries and keys before the dot product (Wortsman et al. 2023)."""
-    z_loss: float = 0.0
-    """Coefficient of the z-loss coef * mean(log^2 Z) added to the cross-entropy (1e-4 in the paper)."""
-    init_scale: float = 1.0
-    """Multiplier of the initial weight std (base std 0.02, residual projections / sqrt(2 n_layer))."""
-    tie_weights: bool = True
-    """Share the token-embedding matrix with the output head."""
-    post_ln: bool = False
-    """Post-LN blocks ``x = LN(x + f(x))`` (Vaswani et al. 2017) instead of pre-LN ``x = x + f(LN(x))``."""
+
+    @classmethod
+    def from_hparams(cls, hp: dict, **extra: object) -> GPTConfig:
+        """The config of the shared architecture fields of merged hyperparameters ``hp`` (cast to
+        their declared types) and ``extra`` (``vocab_size``, ``bias``)."""
+        types = typing.get_type_hints(GPTArch)  # Annotated ranges resolved to int / float / bool
+        return cls(**{f.name: types[f.name](hp[f.name]) for f in fields(GPTArch)}, **extra)  # type: ignore[arg-type]
 
 
 @dataclass

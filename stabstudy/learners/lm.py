@@ -134,11 +134,7 @@ def hparams(spec: RunSpec) -> dict[str, Any]:
 
 def model_config(hp: dict[str, Any]) -> GPTConfig:
     """The :class:`GPTConfig` described by merged hyperparameters."""
-    return GPTConfig(vocab_size=256, block_size=int(hp["block_size"]), n_layer=int(hp["n_layer"]),
-                     n_head=int(hp["n_head"]), n_embd=int(hp["n_embd"]), dropout=float(hp["dropout"]),
-                     qk_layernorm=bool(hp["qk_layernorm"]), z_loss=float(hp["z_loss"]),
-                     init_scale=float(hp["init_scale"]), tie_weights=bool(hp["tie_weights"]),
-                     post_ln=bool(hp["post_ln"]))
+    return GPTConfig.from_hparams(hp, vocab_size=256)
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_frac: float) -> float:
