@@ -239,7 +239,7 @@ def test_corrupt_and_failed_runs_are_listed_on_the_terminal(tmp_store, tmp_path,
     from stabstudy.spec import RunSpec
 
     good = RunSpec("toy", "gd", "digits", steps=3, seed=0, hparams={"width": 8})
-    bad = good.replace(task="no-such-task")
+    bad = good.replace(hparams={"width": 8, "n_train": 5000})  # raises in the learner (digits has 1797 images)
     runner.run_grid([good], scheduler="serial", store=tmp_store, progress=False)
     tmp_store.path(good).write_bytes(b"damaged")
     src = tmp_path / "00_fake.ipynb"
