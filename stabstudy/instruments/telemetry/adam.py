@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from stabstudy.instruments.telemetry import sharded
 from stabstudy.instruments.telemetry.channels import DevField
 from stabstudy.instruments.telemetry.state import OptState, as_float
 
@@ -39,7 +40,9 @@ class AdamCache:
         self.state_obj = opt.state
         self.n_state = len(opt.state)
         self.ok = False
-        self.ms: list[torch.Tensor] = []
+        self.m_src: list[torch.Tensor] = []  # the state's tensors (DTensors where sharded)
+        self.v_src: list[torch.Tensor] = []
+        self.ms: list[torch.Tensor] = []  # their local shards, what the sums read
         self.vs: list[torch.Tensor] = []
         self.steps: list[Any] = []  # step tensors (updated in place), or None: read from the state dict
         self.groups: list[tuple[dict[str, Any], int, int]] = []  # (param group, first, end) in `params`
@@ -57,8 +60,8 @@ class AdamCache:
                 sp = opt.state.get(p)
                 if not sp or "exp_avg" not in sp or "exp_avg_sq" not in sp:
                     return
-                self.ms.append(sp["exp_avg"])
-                self.vs.append(sp["exp_avg_sq"])
+                self.m_src.append(sp["exp_avg"])
+                self.v_src.append(sp["exp_avg_sq"])
                 t = sp.get("step")
                 self.steps.append(t if isinstance(t, torch.Tensor) else None)
                 i += 1
@@ -68,6 +71,7 @@ class AdamCache:
             return
         self.params = params
         self.ids = tuple(map(id, params))
+        self.ms, self.vs = sharded.local(self.m_src), sharded.local(self.v_src)
         # step counts on a GPU (capturable / fused Adam) are used there: reading them would sync
         self.device_steps = any(t is not None and t.device.type != "cpu" for t in self.steps)
         self.m_flat, self.v_flat = flat_views(self.ms), flat_views(self.vs)
@@ -87,7 +91,7 @@ class AdamCache:
         # every entry, not only the first: resetting one parameter's moments (``del opt.state[p]``,
         # re-initialised layers) keeps the dict's size once the next step re-creates them
         state = opt.state
-        for p, m, v, t in zip(self.params, self.ms, self.vs, self.steps, strict=True):
+        for p, m, v, t in zip(self.params, self.m_src, self.v_src, self.steps, strict=True):
             sp = state.get(p)
             if sp is None or sp.get("exp_avg") is not m or sp.get("exp_avg_sq") is not v:
                 return False

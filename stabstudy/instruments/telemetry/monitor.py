@@ -61,6 +61,10 @@ Precision: the copies and sums are float64 for an optimizer stepping a float64 p
 float32 otherwise (float32, float16 and bfloat16 models); the Dataset is float64 either way.
 A float32 copy of float64 parameters would lose the update itself at small learning rates
 (``w_before`` rounded to float32 differs from ``w_after`` by more than the update does).
+Distributed: under DDP every rank computes the same rows (the gradients are averaged before
+the step); with FSDP2 / DTensor-sharded parameters each hook all-reduces its sums over the
+shards' process group (:mod:`stabstudy.instruments.telemetry.sharded`). Rank 0 alone writes to
+``writer``; ``to_dataset`` names the rank.
 Nothing is compiled at run time. ``benchmarks/telemetry_overhead.py`` measures the cost per
 step; :meth:`Monitor.cost` reports the time spent in the hooks of a live Monitor, i.e. its
 share of the user's own loop.
@@ -82,7 +86,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from stabstudy import registry
-from stabstudy.instruments.telemetry import stats
+from stabstudy.instruments.telemetry import sharded, stats
 from stabstudy.instruments.telemetry.adam import adam_stats
 from stabstudy.instruments.telemetry.channels import (
     LAYER_PARTS,
@@ -101,6 +105,7 @@ from stabstudy.instruments.telemetry.channels import (
     gradient_coherence,
     previous_g2,
 )
+from stabstudy.instruments.telemetry.layers import LayerIndex
 from stabstudy.instruments.telemetry.sink import WriterSink
 from stabstudy.instruments.telemetry.state import OptState, as_float
 from stabstudy.instruments.telemetry.table import Block, HostCopies, LogStage, Table
@@ -186,14 +191,10 @@ class Monitor:
         self._arrived = [0] * len(self._opts)  # per optimizer: its device rows before this one are on the host
         self._copies = HostCopies()
         self._staged = LogStage(self._copies, self._put_logged, capacity=4 * sync_every)
-        self._sink = WriterSink(writer) if writer is not None else None
-        self._layer_names: list[str] = []
-        self._param_names: dict[int, str] = {}  # id(parameter) -> name in the model (per_layer)
-        self._layer_index: dict[int, int] = {}
-        self._layers: dict[str, Table] = {}
-        if per_layer:
-            self._init_layers(model)
-            self._layers = {part: Table((len(self._layer_names),)) for part in LAYER_PARTS}
+        self.rank, self.world_size = sharded.rank()
+        # every rank records the same rows (DDP: replicated; FSDP2: all-reduced): one writes them
+        self._sink = WriterSink(writer) if writer is not None and self.rank == 0 else None
+        self._li = LayerIndex(model, self._opts) if per_layer else None
 
     # -- public API ---------------------------------------------------------------
     @property
@@ -354,14 +355,17 @@ class Monitor:
                 arr = np.where(m[steps], a[steps], arr)
             data_vars[ch] = ("step", np.asarray(arr, dtype=np.float64), {"long_name": self._long_name(ch)})
         coords: dict[str, Any] = {"step": ("step", steps, {"long_name": "optimizer update index"})}
-        if self.per_layer and self._layer_names:
-            g, u, w = (self._layers[p].rows(n)[0][steps] for p in LAYER_PARTS)
+        if self._li is not None and self._li.names:
+            g, u, w = (self._li.tables[p].rows(n)[0][steps] for p in LAYER_PARTS)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = np.where(w > 0, u / w, np.nan)
             for ch, arr in (("layer_grad_norm", g), ("layer_update_ratio", ratio)):
                 data_vars[ch] = (("step", "layer"), arr, {"long_name": LONG_NAMES[ch]})
-            coords["layer"] = ("layer", np.array(self._layer_names, dtype=str))
-        return xr.Dataset(data_vars, coords=coords, attrs={"monitor_every": self.every})
+            coords["layer"] = ("layer", np.array(self._li.names, dtype=str))
+        attrs: dict[str, Any] = {"monitor_every": self.every}
+        if self.world_size > 1:
+            attrs.update(monitor_rank=self.rank, monitor_world_size=self.world_size)
+        return xr.Dataset(data_vars, coords=coords, attrs=attrs)
 
     def to_frame(self, *, dropna: bool = False):
         """:meth:`to_dataset` as a long pandas DataFrame (step, channel, layer, value): see :func:`.frame.to_frame`."""
@@ -424,7 +428,7 @@ class Monitor:
             self._dev.a[base:base + n, i, :] = D
             self._arrived[i] = max(self._arrived[i], base + n)
             for j, part in enumerate(LAYER_PARTS if L else ()):
-                tab = self._layers[part]
+                tab = self._li.tables[part]
                 tab.grow(base + n - 1)
                 seg = a[:, ND + j * L:ND + (j + 1) * L]  # NaN in other optimizers' layers
                 np.copyto(tab.a[base:base + n, :L], seg, where=~np.isnan(seg))
@@ -445,7 +449,7 @@ class Monitor:
             if self._sink is not None and not self._copies.pending:  # rows before s are closed
                 self._sink.flush(self, s)
             if blk is None or blk.layers < need or blk.t.device != device or blk.t.dtype != dtype:
-                L = len(self._layer_names) if self.per_layer else 0
+                L = len(self._li.names) if self._li is not None else 0
                 blk = st.block = Block(device, self.sync_every, L, dtype)
             else:
                 blk.reset(s)
@@ -465,49 +469,6 @@ class Monitor:
 
     def _long_name(self, ch: str) -> str:
         return registry.long_name(ch, tuple(st.name for st in self._opts))
-
-    def _init_layers(self, model: Any) -> None:
-        names: dict[int, str] = {}
-        if isinstance(model, torch.nn.Module):
-            mods = [("", model)]
-        elif isinstance(model, Mapping):
-            mods = [(f"{k}.", m) for k, m in model.items()]
-        elif isinstance(model, Iterable):
-            mods = [(f"m{i}.", m) for i, m in enumerate(model)]
-        else:
-            mods = []
-        for prefix, m in mods:
-            for n, p in m.named_parameters():
-                names.setdefault(id(p), prefix + n)
-        self._param_names = names  # also for parameters an optimizer gains later (add_param_group)
-        for st in self._opts:
-            for gi, g in enumerate(st.opt.param_groups):
-                for pi, p in enumerate(g["params"]):
-                    if id(p) not in self._layer_index:
-                        self._layer_index[id(p)] = len(self._layer_names)
-                        self._layer_names.append(names.get(id(p), f"{st.name}.g{gi}.p{pi}"))
-
-    def _layer_cols(self, st: OptState, params: list[torch.Tensor], ids: tuple[int, ...]) -> None:
-        """The layer columns of the stepped parameters (a range when consecutive, else an index
-        tensor on their device); parameters the optimizer gained after the Monitor attached
-        (``add_param_group``, e.g. a layer unfrozen during fine-tuning) get new layers, NaN before."""
-        lc = st.layers
-        if ids == lc.key:
-            return
-        for p in params:
-            if id(p) not in self._layer_index:
-                self._layer_index[id(p)] = len(self._layer_names)
-                self._layer_names.append(self._param_names.get(id(p), f"{st.name}.added{len(self._layer_names)}"))
-        for t in self._layers.values():
-            t.widen(len(self._layer_names))
-        cols = [self._layer_index[id(p)] for p in params]
-        if cols == list(range(cols[0], cols[0] + len(cols))):
-            lc.cols = (cols[0], cols[0] + len(cols))
-        else:
-            lc.cols = torch.tensor(cols, dtype=torch.long)
-            if params[0].device.type != "cpu":
-                lc.cols = lc.cols.to(params[0].device, non_blocking=True)
-        lc.key, lc.end = ids, max(cols) + 1
 
     def _make_hook(self, st: OptState, pre: bool):
         clock = time.perf_counter
@@ -606,7 +567,7 @@ class Monitor:
         # (TD3's delayed actor steps on every other row: by rows it would never be measured at
         # an even `every`, and its previous gradient would never be one row back)
         params = st.stepped_params()
-        cur.params, cur.measuring, cur.g2 = params, False, None
+        cur.params, cur.stepped, cur.measuring, cur.g2 = params, params, False, None
         cur.lr = as_float(st.opt.param_groups[0]["lr"])
         cur.lr_primary = cur.lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
         rec, b = self._row_fields(st, s)
@@ -617,14 +578,19 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
-        stats.check_special(st, params, grads, ids)
-        if self.per_layer:
-            self._layer_cols(st, params, ids)
+        stats.check_params(st, params, grads, ids, self._li is not None)
+        if st.group is not None:  # sharded: the sums run over the local shards, then are all-reduced
+            params, grads = sharded.local(params), sharded.local(grads)
+            cur.params = params
+        if self._li is not None:
+            self._li.columns(st, params, ids)
         cur.inv = stats.grad_scale(st.opt)
         # the flat buffer (and the block, in its dtype) before the first sum; special gradients
         # have none (complex values do not fit a real buffer)
-        dtype = torch.float32 if st.special else st.prepare(params, ids).buf.dtype
-        dv = self._block_row(st, s, params[0].device, dtype)
+        fb = None if st.special else st.prepare(params, ids)
+        if fb is not None and fb.n_total < 0:
+            fb.n_total = fb.N if st.group is None else sharded.total(fb.N, st.group, params[0].device)
+        dv = self._block_row(st, s, params[0].device, torch.float32 if fb is None else fb.buf.dtype)
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
         lg = st.block.layer(s, 0) if self.per_layer else None
@@ -633,15 +599,21 @@ class Monitor:
                 stats.special_g2(grads, dv[DevField.G2])
                 if cur.inv is not None:
                     dv[DevField.G2].mul_(cur.inv * cur.inv)
+                if st.group is not None:
+                    sharded.all_reduce_(st.block.pre_fields(s), st.group)
                 return
             measure = k % self.every == 0
             if not measure:
                 stats.grad_only(st, grads, dv, lg)
+                if st.group is not None:
+                    sharded.all_reduce_(st.block.pre_fields(s), st.group)
                 if (k + 1) % self.every == 0:  # keep it for the next step's xgrad
                     prev.keep(k, s, cur.inv)
                 return
             linked = prev.step == k - 1
             stats.before_update(st, params, grads, dv, st.block.pairs(s)[0], linked, self.per_layer)
+            if st.group is not None:
+                sharded.all_reduce_(st.block.pre_fields(s), st.group)
             rec[b + HostField.SLOT] = prev.slot
             cur.g2 = dv[prev.slot]
             if linked:
@@ -650,7 +622,7 @@ class Monitor:
 
     def _post(self, st: OptState) -> None:
         cur = st.cur
-        params, cur.params = cur.params, []
+        params, stepped, cur.params, cur.stepped = cur.params, cur.stepped, [], []
         if not cur.measuring:  # the pre-hook recorded the row
             return
         s = self._step
@@ -660,11 +632,13 @@ class Monitor:
         layers = tuple(blk.layer(s, j) for j in range(len(LAYER_PARTS))) if self.per_layer else None
         with self._no_grad:
             stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
-            adam = adam_stats(st, params, dv)
+            adam = adam_stats(st, stepped, dv)
+            if st.group is not None:
+                sharded.all_reduce_(blk.post_fields(s), st.group)
         rec[b + HostField.KIND] = Kind.FULL
         if adam is not None:
             rec[b + HostField.KIND] = Kind.ADAM
-            rec[b + HostField.BC1], rec[b + HostField.BC2], rec[b + HostField.N] = adam[0], adam[1], float(st.flat.N)
+            rec[b + HostField.BC1], rec[b + HostField.BC2], rec[b + HostField.N] = adam[0], adam[1], float(st.flat.n_total)
         st.prev.keep(st.n, s, cur.inv)
         st.last_measured = s
         st.params_at_measure = params

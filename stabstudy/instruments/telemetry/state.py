@@ -57,7 +57,8 @@ class FlatBuffer:
     dtypes: list[torch.dtype]  #: dtype per tensor (the buffer's dtype follows them)
     sizes_dev: torch.Tensor  #: the same, on the device
     key: tuple[int, ...]  #: ids of the parameters it was built for
-    N: int  #: elements of the stepped parameters
+    N: int  #: elements of the stepped parameters (of their local shards where sharded)
+    n_total: int = -1  #: elements over every shard (set by the Monitor; -1 until then)
 
     @classmethod
     def build(cls, params: list[torch.Tensor], key: tuple[int, ...]) -> FlatBuffer:
@@ -103,7 +104,8 @@ class Previous:
 class Current:
     """The step in progress, from the pre-hook to the post-hook."""
 
-    params: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters
+    params: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters (local shards where sharded)
+    stepped: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters as the optimizer holds them
     g2: torch.Tensor | None = None  #: this step's ||g||^2 (a block view) for pre-step hooks
     measuring: bool = False  #: a measured step: the post-hook completes the row
     order: int = 0  #: how many optimizers stepped before this one in the current row
@@ -140,6 +142,7 @@ class OptState:
         self.layers = LayerColumns()
         self.special_key: tuple[int, ...] = ()  #: the parameter set ``special`` was checked for
         self.special = False  #: sparse or complex gradients: grad_norm only
+        self.group: Any = None  #: process group of sharded parameters (:func:`.sharded.shard_group`), else None
         self.last_measured = -1  #: row whose update (negated) sits in buffer row W
         self.params_at_measure: list[torch.Tensor] = []  #: the parameters of that row
         self.adam: Any = None  #: :class:`.adam.AdamCache` of the stepped parameters (built there)

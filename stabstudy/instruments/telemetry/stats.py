@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from stabstudy.instruments.telemetry import sharded
 from stabstudy.instruments.telemetry.channels import DevField
 from stabstudy.instruments.telemetry.state import OptState, Row, as_float
 
@@ -36,12 +37,18 @@ def grad_scale(opt: torch.optim.Optimizer) -> float | torch.Tensor | None:
     return None if s == 1.0 else 1.0 / s
 
 
-def check_special(st: OptState, params: list[torch.Tensor], grads: list[torch.Tensor], ids: tuple[int, ...]) -> None:
-    """Sparse or complex gradients (fixed per parameter, so checked when the set changes):
-    only grad_norm is recorded for them, with a warning."""
+def check_params(st: OptState, params: list[torch.Tensor], grads: list[torch.Tensor], ids: tuple[int, ...],
+                 per_layer: bool) -> None:
+    """What the stepped parameters are (fixed per parameter, so checked when the set changes):
+    sharded (``st.group``: their sums are all-reduced, see :mod:`.sharded`); sparse or complex
+    gradients (only grad_norm is recorded for them, with a warning)."""
     if ids == st.special_key:
         return
     st.special_key = ids
+    st.group = sharded.shard_group(params)
+    if st.group is not None and per_layer:
+        raise ValueError("Monitor: per_layer=True needs unsharded parameters (per-tensor norms of sharded "
+                         "parameters are not reduced across ranks); use per_layer=False with FSDP2 / DTensor")
     st.special = any(p.is_complex() for p in params) or any(g.is_sparse for g in grads)
     if st.special:
         warnings.warn(f"Monitor: optimizer {st.name!r} steps sparse or complex gradients; only grad_norm "

@@ -151,6 +151,14 @@ class Block:
             p = self._pairs[r] = (self.t[r, DevField.G2:DevField.GPG + 1], self.t[r, DevField.NUG:DevField.U2 + 1])
         return p
 
+    def pre_fields(self, row: int) -> torch.Tensor:
+        """Row ``row``'s fields a pre-hook writes (G2, GPG, W2), as one tensor."""
+        return self.t[row - self.base, :DevField.NUG]
+
+    def post_fields(self, row: int) -> torch.Tensor:
+        """Row ``row``'s fields a post-hook writes (NUG .. NBELOW), as one tensor."""
+        return self.t[row - self.base, DevField.NUG:ND]
+
     def layer(self, row: int, part: int) -> torch.Tensor:
         """Row ``row``'s layer columns of ``LAYER_PARTS[part]`` (written with the fields of that row)."""
         a = ND + part * self.layers
