@@ -6,7 +6,9 @@ Two workloads, as in ``benchmarks/telemetry_overhead.py``: a small GPT
 one training step (forward, backward, optimizer step) and one ``lambda_max`` (default Lanczos,
 ``iters=20`` and ``tol=0`` so that it spends all 20 Hessian-vector products, on the same
 batch, gradient graph included) are timed in interleaved repeats after a warm-up; the table
-gives medians and their ratio.
+gives medians and their ratio. ``--tol A B ...`` times one ``lambda_max`` per tolerance instead,
+interleaved in the same run (one row each, with the Hessian-vector products it used): the cost
+of a tighter default tolerance, e.g. ``--tol 1e-3 1e-5`` (the old and the new default).
 
 Memory: each operation runs once in a fresh child process (this script with ``--child``),
 after building the model and batch there, so that no allocator cache from an earlier call
@@ -92,8 +94,10 @@ def mlp_workload(args: argparse.Namespace, device: torch.device) -> Workload:
 WORKLOADS = {"gpt": gpt_workload, "mlp": mlp_workload}
 
 
-def operations(work: Workload, impl: ModuleType, iters: int) -> dict[str, Callable[[], object]]:
-    """The two measured operations on one workload."""
+def operations(work: Workload, impl: ModuleType, iters: int,
+               tols: tuple[float, ...] = (0.0,)) -> dict[str, Callable[[], object]]:
+    """The measured operations on one workload: a training step and one ``lambda_max`` per tolerance
+    (``lambda_max`` alone for ``tol=0``, ``lambda_max@<tol>`` otherwise)."""
     model, opt, loss_fn = work
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -102,10 +106,14 @@ def operations(work: Workload, impl: ModuleType, iters: int) -> dict[str, Callab
         loss_fn().backward()
         opt.step()
 
-    def lam() -> object:
-        return impl.lambda_max(loss_fn, params, iters=iters, tol=0.0, seed=0)
+    def lam(tol: float) -> Callable[[], object]:
+        return lambda: impl.lambda_max(loss_fn, params, iters=iters, tol=tol, seed=0)
 
-    return {"train_step": train_step, "lambda_max": lam}
+    return {"train_step": train_step, **{lam_name(t): lam(t) for t in tols}}
+
+
+def lam_name(tol: float) -> str:
+    return "lambda_max" if tol == 0 else f"lambda_max@{tol:g}"
 
 
 def sync(device: torch.device) -> None:
@@ -165,7 +173,7 @@ def child(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     impl = load_impl(args.impl)
     workload, op_name = args.child
-    op = operations(WORKLOADS[workload](args, device), impl, args.iters)[op_name]
+    op = operations(WORKLOADS[workload](args, device), impl, args.iters, tuple(args.tol))[op_name]
     sync(device)
     cuda = device.type == "cuda"
     if cuda:
@@ -190,7 +198,8 @@ def memory(args: argparse.Namespace, workload: str, op: str) -> dict:
 
 
 def child_args(args: argparse.Namespace) -> list[str]:
-    out = ["--device", args.device, "--iters", str(args.iters), "--n-layer", str(args.n_layer),
+    out = ["--device", args.device, "--iters", str(args.iters), "--tol", *map(repr, args.tol),
+           "--n-layer", str(args.n_layer),
            "--n-embd", str(args.n_embd), "--block", str(args.block), "--batch", str(args.batch),
            "--mlp-width", str(args.mlp_width), "--mlp-batch", str(args.mlp_batch)]
     return out + (["--impl", args.impl] if args.impl else [])
@@ -200,10 +209,13 @@ def timing(args: argparse.Namespace, workload: str, impl: ModuleType) -> dict[st
     """Median seconds of each operation over interleaved repeats, after one warm-up each."""
     device = torch.device(args.device)
     work = WORKLOADS[workload](args, device)
-    ops = operations(work, impl, args.iters)
+    ops = operations(work, impl, args.iters, tuple(args.tol))
     times: dict[str, list[float]] = {k: [] for k in ops}
-    for fn in ops.values():
-        fn()
+    hvps: dict[str, int] = {}
+    for name, fn in ops.items():
+        res = fn()
+        if name != "train_step":  # the same seed every time: the same number of HVPs
+            hvps[name] = int(res.iters)
     for _ in range(args.repeats):
         for name, fn in ops.items():
             sync(device)
@@ -212,7 +224,7 @@ def timing(args: argparse.Namespace, workload: str, impl: ModuleType) -> dict[st
             sync(device)
             times[name].append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in work[0].parameters() if p.requires_grad)
-    return {"params": n_params, **{k: statistics.median(v) for k, v in times.items()}}
+    return {"params": n_params, "hvps": hvps, **{k: statistics.median(v) for k, v in times.items()}}
 
 
 def mib(b: float | None) -> str:
@@ -224,6 +236,8 @@ def main() -> None:
     ap.add_argument("--impl", default="", help="curvature module file to measure instead of the package's")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=20, help="Hessian-vector products per lambda_max")
+    ap.add_argument("--tol", type=float, nargs="+", default=[0.0],
+                    help="tolerances, one lambda_max row each (0: spend all --iters)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved timed repeats")
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=64)
@@ -239,16 +253,21 @@ def main() -> None:
         return
     impl = load_impl(args.impl)
     print(f"implementation: {args.impl or impl.__name__}; device {args.device}; torch threads "
-          f"{torch.get_num_threads()}; lambda_max: {args.iters} HVPs (tol=0); median of {args.repeats}")
-    print(f"{'workload':<9}{'params':>9}{'step ms':>10}{'lambda_max ms':>15}{'x step':>8}"
-          f"{'step RSS MiB':>14}{'lambda RSS MiB':>16}{'lambda py MiB':>15}{'lambda dev MiB':>16}")
+          f"{torch.get_num_threads()}; lambda_max: at most {args.iters} HVPs, tol "
+          f"{', '.join(f'{t:g}' for t in args.tol)}; median of {args.repeats}")
+    print(f"{'workload':<9}{'params':>9}{'tol':>8}{'HVPs':>6}{'step ms':>10}{'lambda_max ms':>15}{'x step':>8}"
+          f"{'x first tol':>12}{'step RSS MiB':>14}{'lambda RSS MiB':>16}{'lambda py MiB':>15}{'lambda dev MiB':>16}")
     for name in [args.only] if args.only else list(WORKLOADS):
         t = timing(args, name, impl)
-        m_step, m_lam = memory(args, name, "train_step"), memory(args, name, "lambda_max")
-        print(f"{name:<9}{t['params']:>9}{t['train_step'] * 1e3:>10.2f}{t['lambda_max'] * 1e3:>15.1f}"
-              f"{t['lambda_max'] / t['train_step']:>8.1f}{mib(m_step['rss_peak_delta']):>14}"
-              f"{mib(m_lam['rss_peak_delta']):>16}{mib(m_lam['py_peak']):>15}"
-              f"{mib(m_lam['device_peak_delta']):>16}")
+        m_step = memory(args, name, "train_step")
+        first = t[lam_name(args.tol[0])]
+        for tol in args.tol:
+            op = lam_name(tol)
+            m_lam = memory(args, name, op)
+            print(f"{name:<9}{t['params']:>9}{tol:>8g}{t['hvps'][op]:>6}{t['train_step'] * 1e3:>10.2f}"
+                  f"{t[op] * 1e3:>15.1f}{t[op] / t['train_step']:>8.1f}{t[op] / first:>12.2f}"
+                  f"{mib(m_step['rss_peak_delta']):>14}{mib(m_lam['rss_peak_delta']):>16}{mib(m_lam['py_peak']):>15}"
+                  f"{mib(m_lam['device_peak_delta']):>16}")
 
 
 if __name__ == "__main__":

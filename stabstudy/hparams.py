@@ -128,8 +128,8 @@ class ToyHParams(ControlHParams):
     """mse (0.5 * squared error summed over outputs) or ce (cross-entropy)"""
     curv_iters: Count = 20
     """Hessian-vector products per lambda_max measurement (Lanczos budget)"""
-    curv_tol: NonNegative = 1e-3
-    """eigensolver relative tolerance"""
+    curv_tol: NonNegative = 1e-5
+    """eigensolver relative tolerance (instruments.curvature.TOL)"""
     probe_size: Size = 0
     """curvature probe batch (0 = the whole training set)"""
     diverge_loss: Positive = 1e6

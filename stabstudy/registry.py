@@ -275,6 +275,8 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("precond_sharpness", "top eigenvalue of Adam's preconditioned Hessian", "1/lr", _LM_TOY, "curvature"),
     Channel("lambda_max_cost_s", "seconds spent in one lambda_max", "s", _LM_TOY, "curvature"),
     Channel("lambda_max_iters", "Hessian-vector products used by one lambda_max", "1", _LM_TOY, "curvature"),
+    Channel("lambda_max_resid", "how converged lambda_max is: relative residual ||Hx - lambda x|| / |lambda| of "
+            "the Ritz pair (power iteration: relative change of its last step)", "1", _LM_TOY, "curvature"),
     # toy and seq
     Channel("test_loss", "loss on held-out data", "loss", ("toy", "seq"), "learner"),
     Channel("train_acc", "training accuracy (digits)", "1", ("toy",), "learner"),

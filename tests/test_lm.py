@@ -7,6 +7,7 @@ import pytest
 import xarray as xr
 
 from stabstudy.analysis.studies import lm_spikes as study
+from stabstudy.instruments import curvature
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.learners import lm
 from stabstudy.run.runner import run_grid
@@ -104,6 +105,9 @@ def test_curvature_channels_at_their_cadence():
     assert (r.lambda_max.values[measured] > 0).all()
     assert np.isfinite(r.precond_sharpness.values[measured]).all()
     assert np.isfinite(r.sharpness_update.values[measured]).all()
+    assert np.isfinite(r.lambda_max_resid.values[measured]).all() and r.attrs["curvature_tol"] == curvature.TOL
+    s = spec(steps=21, curvature_every=10, curvature_iters=5)
+    assert lm.stale(s, r.attrs) is None and "old default tolerance" in lm.stale(s, {})
 
 
 def test_grid_builders_and_analyses():

@@ -7,6 +7,8 @@ import pytest
 import xarray as xr
 
 from stabstudy.analysis.studies import calibration as study
+from stabstudy.hparams import ToyHParams
+from stabstudy.instruments import curvature as cv
 from stabstudy.interventions.perturb import Perturbation
 from stabstudy.learners import toy
 from stabstudy.run.runner import run_grid
@@ -37,11 +39,21 @@ def test_channels_and_schema(learner):
     assert ds.attrs["status"] == "ok" and ds.sizes["step"] == 21
     assert list(ds.step.values) == list(range(21))
     for ch in ("loss", "perf", "grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos",
-               "lr", "perturbed", "lambda_max", "sharpness_grad", "sharpness_update", "lambda_max_cost_s"):
+               "lr", "perturbed", "lambda_max", "sharpness_grad", "sharpness_update", "lambda_max_cost_s",
+               "lambda_max_resid"):
         assert ch in ds, ch
         assert ds[ch].dtype == np.float64
     assert np.isfinite(ds.loss).all() and np.isfinite(ds.grad_norm).all()
     assert np.isfinite(ds.lambda_max.values[[0, 10, 20]]).all()
+    # how converged each lambda_max is, and at which tolerance (a stored run at another one is stale)
+    resid = ds.lambda_max_resid.values
+    assert np.isfinite(resid[[0, 10, 20]]).all() and np.isnan(resid[[1, 9, 11]]).all()
+    converged = ds.lambda_max_iters.values[[0, 10, 20]] < 20
+    assert (resid[[0, 10, 20]][converged] <= ds.attrs["curvature_tol"]).all()
+    assert ds.attrs["curvature_tol"] == ToyHParams.curv_tol == cv.TOL
+    s = spec(learner, steps=21, curvature_every=10)
+    assert toy.stale(s, ds.attrs) is None and "tolerance" in toy.stale(s, {"curvature_tol": 1e-3})
+    assert toy.stale(spec(learner, steps=21), {}) is None
     assert np.isnan(ds.lambda_max.values[[1, 9, 11]]).all()
     assert (0 <= ds.perf).all() and (ds.perf <= 1).all()
     adam_ok = np.isfinite(ds.adam_v_mean.values).all()

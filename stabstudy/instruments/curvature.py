@@ -36,8 +36,9 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +63,11 @@ class EigResult:
     """lanczos: the residual test ||Hx - theta x|| <= tol |theta| passed within the budget (or the
     Krylov space is invariant: the value is exact on it);
     power: the relative change fell below ``tol`` before ``iters`` ran out."""
+    resid: float = math.nan
+    """How converged ``value`` is. lanczos: the relative residual ||Hx - theta x|| / |theta| of the
+    returned Ritz pair (some eigenvalue lies within ``resid * |theta|`` of it, and the top one within
+    ``resid**2 * |theta| / gap`` when the rest of the spectrum lies ``gap`` below: Kato-Temple);
+    power: the relative change of the estimate in the last iteration. NaN when not measured."""
 
     def __float__(self) -> float:
         return float(self.value)
@@ -155,11 +161,11 @@ def _start_vector(op: _Operator, generator: torch.Generator) -> torch.Tensor:
 
 
 def _power(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float,
-           shift: float = 0.0) -> tuple[float, int, bool]:
-    """Power iteration on (op + shift I) from ``v0``."""
+           shift: float = 0.0) -> tuple[float, int, bool, float]:
+    """Power iteration on (op + shift I) from ``v0``: (value, HVPs, converged, relative change)."""
     v = v0 / torch.linalg.vector_norm(v0)
     lam_prev = None
-    lam = float("nan")
+    lam, change = float("nan"), float("nan")
     for k in range(1, iters + 1):
         hv = op(v)
         if shift:
@@ -168,12 +174,14 @@ def _power(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float,
         lam_s, nrm = torch.stack([lam_t, nrm_t]).tolist()  # one device sync per HVP
         lam = lam_s - shift
         if not math.isfinite(lam) or nrm == 0.0:
-            return lam, k, False
+            return lam, k, False, float("nan")
         v = hv.div_(nrm_t)
-        if lam_prev is not None and abs(lam - lam_prev) <= tol * max(abs(lam), 1e-12):
-            return lam, k, True
+        if lam_prev is not None:
+            change = abs(lam - lam_prev) / max(abs(lam), 1e-12)
+            if change <= tol:
+                return lam, k, True, change
         lam_prev = lam
-    return lam, iters, False
+    return lam, iters, False, change
 
 
 def _generator(seed: int | None, generator: torch.Generator | None) -> torch.Generator:
@@ -188,6 +196,12 @@ METHODS = ("lanczos", "power")
 MAX_NCV = 20
 #: Below ``BREAKDOWN * eps * ||T||`` a Lanczos residual means an invariant subspace (exact).
 BREAKDOWN = 100.0
+#: Default relative tolerance of the eigensolvers (``tol``). The residual test alone only puts *some*
+#: eigenvalue within ``tol * |theta|``: at 1e-3, with the top two eigenvalues 0.15% apart (the edge of
+#: stability pins several at 2/lr), Lanczos stopped on a mixture of the two, 1.4e-3 below the dense
+#: value. The top eigenvalue is within ``tol**2 / gap`` (Kato-Temple): at 1e-5 that is 7e-8 for a
+#: 0.15% gap, and a 1e-4 error needs a gap below 1e-6 (tests/test_curvature.py).
+TOL = 1e-5
 
 
 def _check_method(method: str) -> None:
@@ -195,7 +209,7 @@ def _check_method(method: str) -> None:
         raise ValueError(f"unknown method {method!r}: use 'lanczos' or 'power'")
 
 
-def _lanczos(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float) -> tuple[float, int, bool]:
+def _lanczos(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float) -> tuple[float, int, bool, float]:
     """Largest algebraic eigenvalue of ``op`` by thick-restart Lanczos within ``iters`` HVPs.
 
     The basis V ((m + 1) x n, m = min(n, iters, :data:`MAX_NCV`)) stays on the device in
@@ -207,7 +221,7 @@ def _lanczos(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float) -> tupl
     beta |s_k|`` is at most ``tol |theta|`` (ARPACK's test), or when the Krylov space is
     invariant. A full basis with budget left restarts from its top ``m // 2`` Ritz vectors
     (Wu & Simon 2000), which keeps the Ritz value non-decreasing. Unconverged: the top Ritz
-    value with ``converged=False``.
+    value with ``converged=False``. The last element is the relative residual of the returned pair.
     """
     budget = max(int(iters), 1)
     m = min(op.n, MAX_NCV, budget)
@@ -229,16 +243,18 @@ def _lanczos(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float) -> tupl
         beta_t = torch.linalg.vector_norm(w)
         coeffs = torch.cat([h + h2, beta_t[None]]).to("cpu", torch.float64).numpy()  # j + 2 numbers
         if not np.isfinite(coeffs).all():
-            return float("nan"), op.calls, False
+            return float("nan"), op.calls, False, float("nan")
         k, beta = j + 1, float(coeffs[-1])
         T[:k, j] = T[j, :k] = coeffs[:-1]
         theta, S = np.linalg.eigh(T[:k, :k])
         top = float(theta[-1])
         invariant = k >= op.n or beta <= BREAKDOWN * eps * float(np.abs(theta).max())
-        if invariant or beta * abs(S[-1, -1]) <= tol * abs(top):
-            return top, op.calls, True
+        resid = beta * abs(S[-1, -1])
+        rel = resid / abs(top) if top else math.inf
+        if invariant or resid <= tol * abs(top):
+            return top, op.calls, True, rel
         if op.calls >= budget:
-            return top, op.calls, False
+            return top, op.calls, False, rel
         if k < m:
             torch.div(w, beta_t, out=V[k])
             j = k
@@ -254,19 +270,19 @@ def _lanczos(op: _Operator, v0: torch.Tensor, *, iters: int, tol: float) -> tupl
 
 
 def _top_eig(grads, params, *, method: str, iters: int, tol: float, generator: torch.Generator,
-             precond: Sequence[torch.Tensor] | None = None) -> tuple[float, int, bool]:
+             precond: Sequence[torch.Tensor] | None = None) -> tuple[float, int, bool, float]:
     _check_method(method)
     op = _Operator(grads, params, precond)
     if method == "lanczos":
         return _lanczos(op, _start_vector(op, generator), iters=iters, tol=tol)
-    lam, k, ok = _power(op, _start_vector(op, generator), iters=iters, tol=tol)
+    lam, k, ok, change = _power(op, _start_vector(op, generator), iters=iters, tol=tol)
     if math.isfinite(lam) and lam < 0:
-        lam2, k2, ok = _power(op, _start_vector(op, generator), iters=iters, tol=tol, shift=abs(lam))
+        lam2, k2, ok, change = _power(op, _start_vector(op, generator), iters=iters, tol=tol, shift=abs(lam))
         lam, k = lam2, k + k2
-    return lam, k, ok
+    return lam, k, ok, change
 
 
-def lambda_max(loss_fn: LossFn, params: Sequence[torch.Tensor], *, iters: int = 20, tol: float = 1e-3,
+def lambda_max(loss_fn: LossFn, params: Sequence[torch.Tensor], *, iters: int = 20, tol: float = TOL,
                seed: int | None = 0, generator: torch.Generator | None = None,
                grads: Sequence[torch.Tensor] | None = None, method: str = "lanczos") -> EigResult:
     """Top (largest algebraic) Hessian eigenvalue of ``loss_fn`` at ``params`` from HVPs.
@@ -288,13 +304,13 @@ def lambda_max(loss_fn: LossFn, params: Sequence[torch.Tensor], *, iters: int = 
         loss_fn: closure computing the scalar loss on a fixed probe batch.
         params: tensors to differentiate (those not requiring grad are skipped).
         iters: maximum number of Hessian-vector products (the cost knob).
-        tol: convergence tolerance (see above).
+        tol: convergence tolerance (see above; :data:`TOL` by default).
         seed / generator: randomness of the starting vector.
         grads: a gradient graph from :func:`gradient_graph` to reuse.
         method: ``"lanczos"`` or ``"power"``.
 
     Returns:
-        :class:`EigResult` (value, HVPs used, wall time, converged).
+        :class:`EigResult` (value, HVPs used, wall time, converged, relative residual).
     """
     _check_method(method)
     t0 = time.perf_counter()
@@ -302,8 +318,8 @@ def lambda_max(loss_fn: LossFn, params: Sequence[torch.Tensor], *, iters: int = 
     if grads is None:
         _, grads = gradient_graph(loss_fn, params)
     gen = _generator(seed, generator)
-    lam, k, ok = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen)
-    return EigResult(lam, k, time.perf_counter() - t0, ok)
+    lam, k, ok, resid = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen)
+    return EigResult(lam, k, time.perf_counter() - t0, ok, resid)
 
 
 def directional_sharpness(loss_fn: LossFn | None, params: Sequence[torch.Tensor],
@@ -340,7 +356,7 @@ def adam_preconditioner(optimizer: torch.optim.Optimizer, params: Sequence[torch
 
 
 def precond_sharpness(loss_fn: LossFn | None, params: Sequence[torch.Tensor],
-                      preconditioner: Sequence[torch.Tensor], *, iters: int = 20, tol: float = 1e-3,
+                      preconditioner: Sequence[torch.Tensor], *, iters: int = 20, tol: float = TOL,
                       seed: int | None = 0, generator: torch.Generator | None = None,
                       grads: Sequence[torch.Tensor] | None = None, method: str = "lanczos") -> EigResult:
     """Top eigenvalue of P^{-1} H, P = diag(``preconditioner``) (e.g. :func:`adam_preconditioner`).
@@ -355,8 +371,9 @@ def precond_sharpness(loss_fn: LossFn | None, params: Sequence[torch.Tensor],
         _, grads = gradient_graph(loss_fn, params)
     precond = [d.detach().reshape(p.shape) for d, p in zip(preconditioner, params, strict=True)]
     gen = _generator(seed, generator)
-    lam, k, ok = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen, precond=precond)
-    return EigResult(lam, k, time.perf_counter() - t0, ok)
+    lam, k, ok, resid = _top_eig(grads, params, method=method, iters=iters, tol=tol, generator=gen,
+                                 precond=precond)
+    return EigResult(lam, k, time.perf_counter() - t0, ok, resid)
 
 
 def dense_hessian(loss_fn: LossFn, params: Sequence[torch.Tensor]) -> np.ndarray:
@@ -401,6 +418,20 @@ def check(name: str, measured: float, target: float, rel_tol: float) -> dict:
 CURVATURE_CHANNELS = registry.channel_names(source="curvature")
 
 
+def probe_stale(curvature_every: int, attrs: Mapping[str, Any], tol: float) -> str | None:
+    """Why a stored run's curvature channels no longer describe its probe, or None: they were measured
+    at another tolerance, or before ``lambda_max_resid`` (runs without the ``curvature_tol`` attribute,
+    at the old default 1e-3). For the learners' ``stale(spec, attrs)``: only runs that measured
+    curvature are recomputed, not every run a ``RESULTS_VERSION`` bump would."""
+    if not curvature_every:
+        return None
+    if "curvature_tol" not in attrs:
+        return f"measured lambda_max at the old default tolerance 1e-3, without lambda_max_resid (now tol {tol:g})"
+    if float(attrs["curvature_tol"]) != float(tol):
+        return f"measured lambda_max at tolerance {float(attrs['curvature_tol']):g} (now {tol:g})"
+    return None
+
+
 class CurvatureProbe:
     """Measure curvature every ``every`` steps into a :class:`~stabstudy.instruments.telemetry.Monitor`.
 
@@ -409,12 +440,13 @@ class CurvatureProbe:
     ``loss_fn``: ``lambda_max`` (``method``: Lanczos or power iteration), ``sharpness_grad`` (along the
     probe-batch gradient), ``sharpness_update`` (along the update just applied,
     when the Monitor measured it), ``precond_sharpness`` (Adam's P^{-1} H, when
-    ``optimizer`` has Adam state), ``lambda_max_cost_s`` and ``lambda_max_iters``.
+    ``optimizer`` has Adam state), ``lambda_max_cost_s``, ``lambda_max_iters`` and
+    ``lambda_max_resid`` (:attr:`EigResult.resid`: how converged ``lambda_max`` is).
     Rows in between read NaN.
     """
 
     def __init__(self, monitor, loss_fn: LossFn, params: Sequence[torch.Tensor], *, every: int,
-                 optimizer: torch.optim.Optimizer | None = None, iters: int = 20, tol: float = 1e-3,
+                 optimizer: torch.optim.Optimizer | None = None, iters: int = 20, tol: float = TOL,
                  seed: int = 0, method: str = "lanczos"):
         _check_method(method)
         if every < 1:
@@ -440,6 +472,7 @@ class CurvatureProbe:
                          method=self.method)
         out["lambda_max"] = eig.value
         out["lambda_max_iters"] = float(eig.iters)
+        out["lambda_max_resid"] = eig.resid
         out["lambda_max_cost_s"] = time.perf_counter() - t0
         out["sharpness_grad"] = directional_sharpness(None, self.params, [g.detach() for g in grads], grads=grads)
         if update is not None:

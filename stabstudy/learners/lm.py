@@ -173,9 +173,11 @@ def evaluate(model: GPT, batches: list[tuple[torch.Tensor, torch.Tensor]], devic
 def stale(spec: RunSpec, attrs: dict) -> str | None:
     """Why a stored run of ``spec`` no longer describes it, or None (called by
     :func:`stabstudy.run.runner.pending`): a corpus file is named by its path in the spec, so a
-    file edited since the run is caught by its content hash. A file that is gone keeps the run."""
-    if spec.task == "stdlib" or "corpus_sha256" not in attrs:
-        return None
+    file edited since the run is caught by its content hash. A file that is gone keeps the run.
+    Curvature channels measured at another probe tolerance make the run stale too."""
+    probe = curvature.probe_stale(spec.curvature_every, attrs, curvature.TOL)
+    if probe or spec.task == "stdlib" or "corpus_sha256" not in attrs:
+        return probe
     hp = hparams(spec)
     try:
         now = load_corpus(spec.task, int(hp["corpus_bytes"]), float(hp["val_frac"])).sha256
@@ -351,6 +353,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     if ctrl is not None:
         ds = ds.assign({k: ("step", v) for k, v in ctrl.records(done).items()})
         ds.attrs.update(ctrl.attrs())
+    if probe is not None:
+        ds.attrs["curvature_tol"] = float(probe.tol)
     ds.attrs.update(status=status, corpus_sha256=corpus.sha256, corpus_name=corpus.name,
                     corpus_bytes=corpus.n_bytes, rare_token=corpus.rare_token, n_params=model.num_params(),
                     device=str(device), tokens_per_step=B * T)

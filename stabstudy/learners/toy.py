@@ -52,7 +52,7 @@ import xarray as xr
 
 from stabstudy import registry
 from stabstudy.hparams import ToyHParams, merged
-from stabstudy.instruments.curvature import CURVATURE_CHANNELS, CurvatureProbe
+from stabstudy.instruments.curvature import CURVATURE_CHANNELS, TOL, CurvatureProbe, probe_stale
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions import control
 from stabstudy.interventions.perturb import Perturber
@@ -74,6 +74,12 @@ _ACT = {"tanh": torch.nn.Tanh, "relu": torch.nn.ReLU, "elu": torch.nn.ELU, "gelu
 def hparams(spec: RunSpec) -> dict[str, Any]:
     """The spec's hyperparameters over the :class:`~stabstudy.hparams.ToyHParams` defaults."""
     return merged(ToyHParams, spec.hp, f"toy learner {spec.learner!r}")
+
+
+def stale(spec: RunSpec, attrs: dict) -> str | None:
+    """Why a stored run of ``spec`` no longer describes it, or None (called by
+    :func:`stabstudy.run.runner.pending`): its curvature channels came from another probe tolerance."""
+    return probe_stale(spec.curvature_every, attrs, float(hparams(spec)["curv_tol"]))
 
 
 class MLP(torch.nn.Module):
@@ -254,6 +260,8 @@ def run(spec: RunSpec) -> xr.Dataset:
         for k, v in ctrl.records(done).items():
             ds[k] = ("step", v)
         ds.attrs.update(ctrl.attrs())
+    if probe is not None:
+        ds.attrs["curvature_tol"] = float(probe.tol)
     ds.attrs.update(status=status, n_params=sum(p.numel() for p in params), batch_size=int(bs),
                     full_batch=int(full_batch))
     return registry.annotate(ds)
@@ -275,7 +283,7 @@ def _evaluate(model: torch.nn.Module, data: dict[str, torch.Tensor], loss_kind: 
 
 
 def lambda_max_check(*, seed: int = 0, steps: int = 100, lr: float = 0.3, width: int = 16, depth: int = 1,
-                     n_train: int = 256, iters: int = 20, tol: float = 1e-3, tolerance: float = 0.02,
+                     n_train: int = 256, iters: int = 20, tol: float = TOL, tolerance: float = 0.02,
                      task: str = "digits") -> dict[str, Any]:
     """Check (a) of notebook 00: Lanczos ``lambda_max`` vs the exact top
     eigenvalue of the dense Hessian, for a small MLP after ``steps`` of full-batch GD.
