@@ -145,3 +145,24 @@ def test_ranges_are_declared_once_in_the_annotations():
     assert "| `lr` | `0.05` | float > 0 | learning rate |" in catalog.markdown(("hparams",))
     r = hparams.Range(0, 1, lo_open=True)
     assert 1 in r and 0.5 in r and 0 not in r and 1.5 not in r and str(r) == "in (0, 1]"
+
+
+def test_a_monitors_own_dataset_takes_long_names_and_units_from_the_registry():
+    import torch
+
+    from stabstudy.instruments.telemetry import Monitor
+
+    net = torch.nn.Linear(3, 1)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    mon = Monitor(net, opt)
+    for _ in range(3):
+        opt.zero_grad()
+        loss = net(torch.ones(4, 3)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        mon.log(loss=float(loss), my_metric=1.0)
+    ds = mon.to_dataset()
+    mon.close()
+    for ch in ("grad_norm", "adam_v_mean", "loss", "lr"):
+        assert ds[ch].attrs == {"long_name": registry.CHANNELS[ch].meaning, "units": registry.CHANNELS[ch].unit}
+    assert ds["my_metric"].attrs == {"long_name": "my_metric"}  # a user's channel: named, no unit invented

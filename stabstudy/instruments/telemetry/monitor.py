@@ -90,7 +90,6 @@ from stabstudy.instruments.telemetry import sharded, stats
 from stabstudy.instruments.telemetry.adam import adam_stats
 from stabstudy.instruments.telemetry.channels import (
     LAYER_PARTS,
-    LONG_NAMES,
     NAN,
     ND,
     NH,
@@ -353,14 +352,14 @@ class Monitor:
             if ch in logged:
                 a, m = logged[ch]
                 arr = np.where(m[steps], a[steps], arr)
-            data_vars[ch] = ("step", np.asarray(arr, dtype=np.float64), {"long_name": self._long_name(ch)})
+            data_vars[ch] = ("step", np.asarray(arr, dtype=np.float64), self._attrs(ch))
         coords: dict[str, Any] = {"step": ("step", steps, {"long_name": "optimizer update index"})}
         if self._li is not None and self._li.names:
             g, u, w = (self._li.tables[p].rows(n)[0][steps] for p in LAYER_PARTS)
             with np.errstate(invalid="ignore", divide="ignore"):
                 ratio = np.where(w > 0, u / w, np.nan)
             for ch, arr in (("layer_grad_norm", g), ("layer_update_ratio", ratio)):
-                data_vars[ch] = (("step", "layer"), arr, {"long_name": LONG_NAMES[ch]})
+                data_vars[ch] = (("step", "layer"), arr, self._attrs(ch))
             coords["layer"] = ("layer", np.array(self._li.names, dtype=str))
         attrs: dict[str, Any] = {"monitor_every": self.every}
         if self.world_size > 1:
@@ -467,8 +466,11 @@ class Monitor:
                     out[f"{k}_{st.name}"] = v
         return out
 
-    def _long_name(self, ch: str) -> str:
-        return registry.long_name(ch, tuple(st.name for st in self._opts))
+    def _attrs(self, ch: str) -> dict[str, str]:
+        """``long_name`` and (for a registered channel) ``units`` of channel ``ch``, from the registry."""
+        names = tuple(st.name for st in self._opts)
+        found = registry.channel(ch, names)
+        return {"long_name": registry.long_name(ch, names), **({"units": found[0].unit} if found else {})}
 
     def _make_hook(self, st: OptState, pre: bool):
         clock = time.perf_counter
