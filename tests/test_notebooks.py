@@ -56,13 +56,49 @@ def test_profile_keys_match_notebook_parameters(profile):
         assert not unknown, f"{profile}.yaml sets {sorted(unknown)} that {nb.name} does not declare"
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_papermill_reads_every_parameter(nb):
+    """papermill parses the parameters cell line by line with its own pattern: a line it cannot
+    parse prints a warning on the terminal and a profile's value for it is 'unknown' to papermill."""
+    from papermill.translators import PythonTranslator
+
+    found = {p.name for p in PythonTranslator.inspect(nbformat.v4.new_code_cell(_parameters_cell(nb)))}
+    assert found == set(notebook_parameters(nb)), f"papermill cannot read {sorted(set(notebook_parameters(nb)) - found)}"
+
+
+def test_papermill_check_catches_a_line_it_cannot_parse():
+    from papermill.translators import PythonTranslator
+
+    cell = nbformat.v4.new_code_cell("a = 1  # int\nb = 0  # int: a cap, 0 = none\n")
+    assert [p.name for p in PythonTranslator.inspect(cell)] == ["a"]  # why notebook 05's line 43 was lost
+
+
+def test_study_kernels_do_not_print_the_tcp_warning(tmp_path, capfd):
+    import papermill as pm
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                           "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["parameters"]}),
+                nbformat.v4.new_code_cell("print(a * 10)")]
+    nbformat.write(nb, tmp_path / "in.ipynb")
+    for kernel_manager, warned in ((None, True), (study.kernel_manager_class(), False)):
+        kw = {"kernel_manager_class": kernel_manager} if kernel_manager else {}
+        pm.execute_notebook(str(tmp_path / "in.ipynb"), str(tmp_path / "out.ipynb"), parameters={"a": 2},
+                            kernel_name="python3", progress_bar=False, **kw)
+        assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[-1].outputs[0]["text"] == "20\n"
+        assert ("without encryption" in capfd.readouterr().err) == warned  # the default TCP kernel warns
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch):
+def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch, capfd, caplog):
     """The real study code path with tiny sizes, from scratch, on the embedded LocalCluster."""
     monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path / "figures"))
     study.run_study("smoke", only=[nb.stem], out_dir=tmp_path / "build")
+    terminal = capfd.readouterr().err + caplog.text  # what `make smoke` shows besides the bars
+    for noise in ("Unable to parse", "unknown parameter", "without encryption"):
+        assert noise not in terminal, f"{nb.stem}: the terminal shows {noise!r}"
     executed = json.loads((tmp_path / "build" / nb.name).read_text())
     errors = [o for c in executed["cells"] for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors

@@ -204,6 +204,27 @@ class TerminalProgress:
             self.bar = None
 
 
+def kernel_manager_class() -> type:
+    """The Jupyter kernel manager the study's kernels run under: local IPC sockets, not TCP.
+
+    ipykernel prints "Kernel is running over TCP without encryption" on the terminal for every
+    kernel it serves over TCP, a warning a user cannot act on. The study's kernels live on this
+    machine only, so Unix-domain sockets (in Jupyter's private runtime folder) need no
+    encryption; where there are none (Windows) the default TCP transport stays.
+    """
+    from jupyter_client.manager import KernelManager
+
+    if os.name != "posix":
+        return KernelManager
+
+    class IPCKernelManager(KernelManager):
+        def __init__(self, **kwargs: Any):
+            kwargs.setdefault("transport", "ipc")
+            super().__init__(**kwargs)
+
+    return IPCKernelManager
+
+
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
               out_dir: Path | None = None, retry_failed: bool = False) -> list[tuple[str, float]]:
     """Execute the selected notebooks in order; return ``(stem, seconds)`` per notebook.
@@ -240,7 +261,8 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                     with TerminalProgress(nb.stem, progress):
                         pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
                                             parameters=parameters_for(nb, profile, scheduler, retry_failed),
-                                            kernel_name="python3", progress_bar=True)
+                                            kernel_name="python3", progress_bar=True,
+                                            kernel_manager_class=kernel_manager_class())
                 finally:  # a failed notebook's executed copy is read too
                     _tidy(out_dir / nb.name)
                 timings.append((nb.stem, time.perf_counter() - t0))

@@ -159,7 +159,7 @@ class TelemetryCallback(RecorderCallback):
             not once per ``train()`` call, keeps this cheap for off-policy learners that train
             every env step.
         **monitor_kwargs: further :class:`~stabstudy.instruments.telemetry.Monitor` arguments
-            (``per_layer``, ``backend``).
+            (``per_layer``, ``sync_every``, ``writer``).
     """
 
     def __init__(self, recorder: Recorder | None = None, every: int = 1, verbose: int = 0, log_to_sb3: bool = True,
