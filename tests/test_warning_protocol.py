@@ -249,3 +249,40 @@ def test_verdict_stability_reports_a_share_per_sensitivity_claim(study):
     assert ((st.same >= 0) & (st.same <= 1)).all() and (st.n_resamples == 8).all()
     # an untested claim stays untested in every resample
     assert (st[st.verdict == "not tested"].same == 1.0).all()
+
+
+# -- the spontaneous family -------------------------------------------------------------------------------
+
+
+def _spont_info(onsets_cal, onsets_ev):
+    rows = [{"seed": i, "kind": "none", "start": np.nan, "event": True, "onset": o, "split": "calibration"}
+            for i, o in enumerate(onsets_cal)]
+    rows += [{"seed": 100 + i, "kind": "none", "start": np.nan, "event": True, "onset": o, "split": "evaluation"}
+             for i, o in enumerate(onsets_ev)]
+    return pd.DataFrame(rows, index=[f"r{i}" for i in range(len(rows))])
+
+
+def test_a_step_count_warns_when_every_seed_breaks_at_the_same_step_and_misses_when_onsets_spread():
+    from stabstudy.analysis.studies import meta_state as M
+
+    t, ld = M.step_count(_spont_info([700, 705, 698], [702, 699, 704]), late=10, horizon=50, burn_in=100)
+    assert ld.notna().all() and (ld > 0).all() and 650 <= t <= 710
+    t, ld = M.step_count(_spont_info([700, 1200, 1700], [900, 1450, 1900]), late=10, horizon=50, burn_in=100)
+    assert ld.isna().all()  # one fixed step cannot be inside every warning window
+    t, ld = M.step_count(_spont_info([], [900]), late=10, horizon=50, burn_in=100)
+    assert np.isnan(t) and ld.isna().all()
+
+
+def test_toy_spontaneous_grid_spreads_the_learning_rate_over_both_halves_and_pairs_a_null():
+    from stabstudy.analysis.studies import meta_state as M
+
+    specs = M.toy_spontaneous_grid(100, range(8), lr_range=(0.005, 0.02), beta2=0.95, n_train=512)
+    assert len(specs) == 16
+    lr = {s.seed: dict(s.hparams)["lr"] for s in specs}
+    assert {dict(s.hparams)["beta2"] for s in specs} == {0.95, 0.999}
+    for half in (range(4), range(4, 8)):  # each half covers the range
+        v = [lr[s] for s in half]
+        assert min(v) < 0.008 and max(v) > 0.012
+    assert all(0.005 <= v <= 0.02 for v in lr.values())
+    ds = xr.Dataset({"hp_beta2": ("run", [0.95, 0.999, 0.999])}, coords={"run": ["a", "b", "c"]})
+    assert M.runs_with(ds, beta2=0.999) == ["b", "c"]

@@ -82,6 +82,40 @@ def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[S
     return list(dict.fromkeys(specs))
 
 
+#: The toy learner's telemetry of the meta-state (knob-free; the toy MLP has no attention).
+TOY_CHANNELS: tuple[str, ...] = ("grad_norm", "xgrad", "update_norm/lr", "update_ratio/lr", "update_grad_cos",
+                                 "adam_m_norm", "adam_v_mean")
+#: The name of the step-count baseline in the claims.
+STEP_COUNT = "step count (baseline)"
+
+
+def toy_spontaneous_grid(steps: int, seeds: Sequence[int], *, lr_range: tuple[float, float], null_beta2: float = 0.999,
+                         **hp: Any) -> list[RunSpec]:
+    """Unperturbed toy runs that spike by themselves, and their nulls.
+
+    Full-batch Adam with a small ``beta2`` and a constant learning rate gives cyclic loss spikes
+    (the slingshot of Thilak et al. 2022); ``hp`` sets that configuration (notebook 04's
+    parameters). Each seed gets its own learning rate in ``lr_range`` (a golden-ratio sequence in
+    log space, so both halves of any seed split cover the range and the onsets spread), and a null
+    run at the same learning rate with ``beta2 = null_beta2`` (no spikes).
+    """
+    lo, hi = lr_range
+    specs = []
+    for s in seeds:
+        lr = float(lo * (hi / lo) ** ((s * 0.6180339887498949) % 1.0))
+        for beta2 in (hp.get("beta2", 0.95), null_beta2):
+            specs.append(RunSpec("toy", "adam", "digits", steps, s, hparams={**hp, "lr": lr, "beta2": beta2}))
+    return list(dict.fromkeys(specs))
+
+
+def runs_with(ds: xr.Dataset, **hp: float) -> list[str]:
+    """The runs of ``ds`` whose hyperparameters (``hp_<name>`` variables) equal ``hp``."""
+    keep = np.ones(ds.sizes["run"], bool)
+    for k, v in hp.items():
+        keep &= ds[f"hp_{k}"].values == v
+    return [str(r) for r in ds["run"].values[keep]]
+
+
 def kinds_of(specs: Sequence[RunSpec]) -> tuple[str, ...]:
     """The perturbation kinds present in ``specs`` (sorted)."""
     return tuple(sorted({p.kind for s in specs for p in s.perturbations}))
@@ -119,7 +153,8 @@ def _families(info: pd.DataFrame) -> list[str]:
 def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequence[int], rule: LabelRule,
             meta_features: Sequence[str] = F.LM_CHANNELS, config: MetaConfig | None = None,
             n_components: int | float = 0.9, budget: float = 1.0, horizon: int = 100, late: int = 20,
-            n_boot: int = 1000, seed: int = 0, outcome_rule: O.OutcomeRule | None = None) -> MetaStudy:
+            n_boot: int = 1000, seed: int = 0, outcome_rule: O.OutcomeRule | None = None,
+            null: Sequence[str] | None = None) -> MetaStudy:
     """The whole comparison of notebook 04 on loaded runs ``ds`` (dims run, step).
 
     1. labels from the loss alone (``rule``); 2. run table with the seed split; 3. meta-state PCA
@@ -134,12 +169,16 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     their calibration AUC; 10. held-out kinds (:func:`held_out_kinds`).
 
     Nothing of a perturbed run enters a threshold or the PCA, so both are blind to every kind.
+    ``null`` names the unperturbed runs when the default (:func:`stabstudy.analysis.warning.evaluation.run_info`)
+    does not fit, e.g. a spontaneous family whose null is another configuration.
     """
     config = config or MetaConfig()
     kinds = kinds_of(specs)
     burn_in = rule.burn_in
     labels = label_runs(ds, rule)
     info = E.run_info(ds, labels, calibration_seeds)
+    if null is not None:
+        info["null"] = info.index.isin(list(null))
     cal = info[info.split == "calibration"]
     cal_null = E.null_runs(info, "calibration")
     pca = E.fit_meta(ds, cal_null, meta_features, config, kinds, burn_in, horizon, n_components)
@@ -170,11 +209,37 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
         spec_diffs[target] = {other: S.auc_difference(ev_rows, info, y, m, other, n_boot=n_boot, seed=seed)
                               for other in (s1, LOSS)}
     ho = held_out_kinds(info, cal_leads, ev.leads, singles, metas, late)
+    step_t, step_leads = step_count(info, late, horizon, burn_in)
     params = {"budget": budget, "horizon": horizon, "late": late, "burn_in": burn_in, "kinds": kinds,
+              "step_count_at": step_t, "step_count_leads": step_leads,
               "n_null_calibration": len(cal_null), "n_null_evaluation": len(E.null_runs(info, "evaluation")),
               **clip_bounds(pca, config)}
     return MetaStudy(info, pca, meta, scores, dspecs, ev, cal_leads, best_single, best_meta, pw, ho, params,
                      outcomes, spec_tables, spec_choice, spec_diffs)
+
+
+def step_count(info: pd.DataFrame, late: int, horizon: int, burn_in: int) -> tuple[float, pd.Series]:
+    """The step-count baseline of unperturbed (spontaneous) events: one alarm at a fixed step, the
+    one with the largest mean penalised lead on the calibration events, scored on the evaluation
+    events (NaN where it falls outside an event's warning window). A detector that only counts
+    steps does well when every seed breaks at about the same step: this says how well.
+
+    Returns the step (NaN without calibration events) and the evaluation events' leads.
+    """
+    spont = info[info.event & (info.kind == "none")]
+    cal, ev = spont[spont.split == "calibration"], spont[spont.split == "evaluation"]
+
+    def leads(t: float, rows: pd.DataFrame) -> pd.Series:
+        lo = rows.apply(lambda x: E.warn_from(x, horizon, burn_in), axis=1) if len(rows) else pd.Series(dtype=float)
+        ok = (t >= lo) & (t <= rows.onset + late)
+        return (rows.onset - t).where(ok)
+
+    if cal.empty:
+        return np.nan, pd.Series(np.nan, index=ev.index)
+    cand = np.unique(np.concatenate([cal.onset - d for d in range(-late, horizon + 1)]))
+    scores = [E.penalised(leads(float(t), cal).to_frame(), late).iloc[:, 0].mean() for t in cand]
+    t = float(cand[int(np.argmax(scores))])
+    return t, leads(t, ev)
 
 
 def choose(cal: pd.DataFrame, cal_leads: pd.DataFrame, singles: Sequence[str], metas: Sequence[str],
@@ -233,6 +298,8 @@ def detector_table(study: MetaStudy) -> pd.DataFrame:
     t = study.evaluation.table
     out = {}
     for det, g in t.groupby("detector", sort=False):
+        if not np.isfinite(study.scores.sel(detector=det).values).any():
+            continue  # the runs do not record what it reads (attention channels of the toy MLP)
         row: dict[str, Any] = {"family": g.family.iloc[0], "FA/1k": round(float(g.fa_per_1k.iloc[0]), 2),
                                "null runs": int(g.n_null.iloc[0]) if "n_null" in g else np.nan,
                                "in alarm %": round(100 * float(g.in_alarm.iloc[0]), 1)}
@@ -343,6 +410,13 @@ def sensitivity_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
                                 SOURCE, pen.loc[idx, m], np.zeros(len(idx)), direction="greater", test="wilcoxon",
                                 alpha=alpha)
         out.append(c)
+        steps = study.params.get("step_count_leads")
+        if fam == "spontaneous" and steps is not None:
+            base = E.penalised(steps.reindex(idx).to_frame(), late).iloc[:, 0]
+            out.append(C.paired_difference(
+                f"the meta-state ({m}) warns earlier than a step count (an alarm at step "
+                f"{study.params['step_count_at']:g}, chosen on the calibration events) ({fam} events)", "our own",
+                pen.loc[idx, m], base, direction="greater", test="wilcoxon", alpha=alpha))
     m = study.best_meta["all"]
     budget = study.params["budget"]
     fa = ev.fa_runs[m].to_numpy(float) if m in ev.fa_runs else np.empty(0)
