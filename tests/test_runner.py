@@ -292,3 +292,27 @@ def test_a_refused_checkpoint_says_what_to_run_and_that_recomputes_the_fork(tmp_
     assert not recs[0].cached and forks.has_checkpoint(prefix)  # trained again: its checkpoint was gone
     (rec,) = run_grid([fork], scheduler="serial", store=tmp_store, progress=False, retry_failed=True)
     assert (rec.status, rec.cached) == ("ok", False)
+
+
+def test_on_dask_a_grid_computes_the_free_runs_then_takes_over_a_dead_holders(tmp_store, hold_lock):
+    import signal
+    import threading
+
+    free, held = toy(0, steps=4), toy(1, steps=4)
+    holder = hold_lock(tmp_store.root, held.spec_hash)
+    out: list = []
+    grid = threading.Thread(target=lambda: out.extend(
+        run_grid([held, free], store=tmp_store, progress=False, n_workers=1)))
+    try:
+        grid.start()
+        for _ in range(240):  # the cluster starts, computes the free run, then waits for the held one
+            if tmp_store.path(free).exists() and any("being computed by another process" in n for n in runner._NOTES):
+                break
+            grid.join(timeout=0.5)
+        assert grid.is_alive() and tmp_store.status(free) == "ok" and not tmp_store.path(held).exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    grid.join(timeout=120)
+    runner.close_clients()
+    assert not grid.is_alive() and [(r.status, r.cached) for r in out] == [("ok", False), ("ok", False)]

@@ -428,8 +428,8 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
 
     Each run is claimed (:meth:`RunStore.claim`) while it is computed: another grid on the same
     store computes other runs, then waits for these and reuses them (``cached``). On Dask, at most
-    twice as many runs as the cluster has threads are claimed at a time, so that two grids share
-    the work. Ctrl-C cancels outstanding runs; finished runs stay stored (each written
+    twice as many runs as the cluster has threads at the moment are claimed (and submitted) at a
+    time, so that two grids share the work. Ctrl-C cancels outstanding runs; finished runs stay stored (each written
     atomically), so calling again resumes.
     """
     store = store or RunStore()
@@ -466,29 +466,31 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
                 claims.done(s)
                 bar.update()
         else:
-            from distributed import as_completed
+            from distributed import wait
 
             client = get_client(None if scheduler == "serial" else scheduler, n_workers)
-            window = 2 * max(1, sum(client.nthreads().values()))
             futures: dict = {}
-            running = as_completed()
             try:
                 while True:
+                    # read again each round: the workers of a cluster started with scale() arrive over minutes
+                    window = 2 * max(1, sum(client.nthreads().values()))
                     while len(futures) < window and (s := next_run(block=not futures)) is not None:
-                        fut = client.submit(_worker_task, s, key=f"run-{s.spec_hash}", pure=False)
-                        futures[fut] = s
-                        running.add(fut)
+                        futures[client.submit(_worker_task, s, key=f"run-{s.spec_hash}", pure=False)] = s
                     if not futures:
                         break
-                    fut = next(running)
-                    s = futures.pop(fut)
-                    try:
-                        result, producer = fut.result()
-                    except Exception:  # a worker died (e.g. out of memory): record, go on
-                        result, producer = (None, "failed", traceback.format_exc(), float("nan")), None
-                    records[s.spec_hash] = _store_result(store, s, result, producer)
-                    claims.done(s)
-                    bar.update()
+                    try:  # a timeout, so that runs other processes held are looked at again meanwhile
+                        done = wait(list(futures), timeout=WAIT_POLL_S, return_when="FIRST_COMPLETED").done
+                    except TimeoutError:
+                        continue
+                    for fut in done:
+                        s = futures.pop(fut)
+                        try:
+                            result, producer = fut.result()
+                        except Exception:  # a worker died (e.g. out of memory): record, go on
+                            result, producer = (None, "failed", traceback.format_exc(), float("nan")), None
+                        records[s.spec_hash] = _store_result(store, s, result, producer)
+                        claims.done(s)
+                        bar.update()
             except BaseException:
                 client.cancel(list(futures))
                 raise
