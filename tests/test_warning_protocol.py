@@ -286,3 +286,55 @@ def test_toy_spontaneous_grid_spreads_the_learning_rate_over_both_halves_and_pai
     assert all(0.005 <= v <= 0.02 for v in lr.values())
     ds = xr.Dataset({"hp_beta2": ("run", [0.95, 0.999, 0.999])}, coords={"run": ["a", "b", "c"]})
     assert M.runs_with(ds, beta2=0.999) == ["b", "c"]
+
+
+# -- cross-domain direction -------------------------------------------------------------------------------
+
+
+def _directions(direction, n_events=8, seed=0, noise=0.3):
+    rng = np.random.default_rng(seed)
+    feats = ["a", "b", "c", "d", "e"]
+    x = np.asarray(direction, float) + noise * rng.standard_normal((n_events, len(feats)))
+    return pd.DataFrame(x, columns=feats, index=[f"r{seed}_{i}" for i in range(n_events)]).assign(
+        seed=np.arange(n_events)), feats
+
+
+def test_cross_domain_directions_agree_differ_and_go_untested():
+    from stabstudy.analysis.warning import crossdomain as X
+
+    a, feats = _directions([3, -2, 1, 0, 0.5], seed=0)
+    same, _ = _directions([3, -2, 1, 0, 0.5], seed=1)
+    other, _ = _directions([-1, 0, 3, -2, 0], seed=2)
+    r = X.similarity(a, same, feats, n_boot=200)
+    assert r["cos"] > 0.9 and r["p_greater"] < 0.05 and r["ci_low"] > 0.5 and r["n"] == 8
+    c = C.from_p("same", "our own", r["cos"], (r["ci_low"], r["ci_high"]), r["n"], p_for=r["p_greater"],
+                 p_against=r["p_less"], test="permutation")
+    assert c.verdict == "supported"
+    r = X.similarity(a, other, feats, n_boot=200)
+    c = C.from_p("same", "our own", r["cos"], (r["ci_low"], r["ci_high"]), r["n"], p_for=r["p_greater"],
+                 p_against=r["p_less"], test="permutation")
+    assert r["p_greater"] > 0.05 and c.verdict != "supported"
+    empty = X.similarity(a.iloc[:0], same, feats)
+    c = C.from_p("same", "our own", empty["cos"], (empty["ci_low"], empty["ci_high"]), empty["n"],
+                 p_for=empty["p_greater"], p_against=empty["p_less"], test="permutation")
+    assert c.verdict == "not tested"
+
+
+def test_pre_onset_directions_average_the_window_before_each_onset():
+    from stabstudy.analysis.warning import crossdomain as X
+
+    z = np.zeros((2, 50, 2))
+    z[0, 30:40] = [1.0, -2.0]
+    z[0, 40:] = 99.0  # after the onset: never read
+    meta = xr.Dataset({"z": (("run", "step", "feature"), z)}, coords={"run": ["e", "n"], "feature": ["x", "y"]})
+    info = pd.DataFrame({"event": [True, False], "onset": [40, -1], "seed": [3, 4]}, index=["e", "n"])
+    d = X.pre_onset_directions(meta, info, ["x", "y"], window=10)
+    assert d.index.tolist() == ["e"] and d.loc["e", ["x", "y"]].tolist() == [1.0, -2.0] and d.seed["e"] == 3
+
+
+def test_cross_domain_claim_of_a_domain_with_itself(study):
+    from stabstudy.analysis.studies import meta_state as M
+
+    dirs, claim = M.cross_domain(study, study, ("a", "b"), window=20, n_boot=50)
+    assert dirs.index.tolist() == ["a", "b"] and (dirs.events == 6).all()
+    assert claim.effect == pytest.approx(1.0) and claim.n == 6

@@ -405,6 +405,20 @@ def interval_above(claim: str, source: str, effect: float, ci: tuple[float, floa
                  float(effect), (lo, hi), int(n), test)
 
 
+def from_p(claim: str, source: str, effect: float, ci: tuple[float, float], n: int, *, p_for: float,
+           p_against: float, test: str, alpha: float = 0.05, min_n: int = 3) -> Claim:
+    """Claim decided by one-sided p-values computed elsewhere (e.g. an exact permutation null):
+    supported when ``p_for < alpha``, not supported when ``p_against < alpha``, inconclusive
+    otherwise (NaN p-values included); "not tested" without data."""
+    if (early := _too_few(claim, source, int(n), min_n, test)) is not None:
+        return replace(early, effect=float(effect))
+    verdict = _directional(p_for, p_against, alpha) if np.isfinite(p_for) and np.isfinite(p_against) else "inconclusive"
+    reason = (f"{effect:.3g} [{ci[0]:.3g}, {ci[1]:.3g}] over {n} units, one-sided p = {p_for:.3g}"
+              f"{_against(verdict, p_against)}")
+    return Claim(claim, source, verdict, reason, float(effect), (float(ci[0]), float(ci[1])), int(n), test,
+                 _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
+
+
 def table(claims: Sequence[Claim], alpha: float = 0.05) -> pd.DataFrame:
     """The claims of one notebook as a DataFrame, p-values Holm-adjusted within it.
 

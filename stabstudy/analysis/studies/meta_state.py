@@ -21,6 +21,7 @@ import xarray as xr
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import lm_spikes
+from stabstudy.analysis.warning import crossdomain as X
 from stabstudy.analysis.warning import evaluation as E
 from stabstudy.analysis.warning import outcomes as O
 from stabstudy.analysis.warning import specificity as S
@@ -467,6 +468,23 @@ def held_out_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
                                 f"single channel ({r.single}), both chosen without {r.kind}", SOURCE, r.meta_pen,
                                 r.single_pen, direction="greater", test="wilcoxon", alpha=alpha)
             for r in study.held_out.itertuples()] if len(study.held_out) else []
+
+
+def cross_domain(a: MetaStudy, b: MetaStudy, names: tuple[str, str], *, window: int, n_boot: int = 1000,
+                 seed: int = 0) -> tuple[pd.DataFrame, C.Claim]:
+    """The cross-domain claim (:mod:`stabstudy.analysis.warning.crossdomain`): the channels both
+    meta-states read depart in the same direction before an event in both domains (every labelled
+    event of either split; no choice is made on them). Returns each domain's mean pre-onset
+    direction (rows: domain; columns: channel) and the claim."""
+    feats = [f for f in a.pca.features if f in b.pca.features]
+    da, db = (X.pre_onset_directions(s.meta, s.info, feats, window) for s in (a, b))
+    r = X.similarity(da, db, feats, n_boot=n_boot, seed=seed)
+    claim = C.from_p(f"the channels {names[0]} and {names[1]} share ({', '.join(feats)}) depart in the same direction "
+                     f"before an event in both (cosine of the mean pre-onset z, against every matching of the channels)",
+                     SOURCE, r["cos"], (r["ci_low"], r["ci_high"]), r["n"], p_for=r["p_greater"], p_against=r["p_less"],
+                     test="exact permutation of channels; seed bootstrap")
+    dirs = pd.DataFrame([da[feats].mean(), db[feats].mean()], index=list(names))
+    return dirs.assign(events=[r["n_a"], r["n_b"]]), claim
 
 
 def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -> pd.DataFrame:
