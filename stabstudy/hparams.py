@@ -102,6 +102,8 @@ class ToyHParams(ControlHParams):
 
     lr: Positive = 0.05
     """learning rate"""
+    warmup: Size = 0
+    """linear learning-rate warmup steps: lr x (step + 1) / warmup before step warmup (0 = none)"""
     width: Count = 64
     """hidden units per layer"""
     depth: Size = 2

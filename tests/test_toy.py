@@ -173,3 +173,12 @@ def test_claims_table_needs_three_learning_rates_not_three_runs():
     assert {c.verdict for c in study.claims_table(dense, three, adam, one)[3:]} == {"inconclusive"}
     assert set(C.table(study.claims_table(None, pd.DataFrame(), pd.DataFrame(), [])).verdict) <= {
         "not tested", "inconclusive"}
+
+
+def test_warmup_ramps_the_lr_linearly_then_leaves_the_spike_on_top():
+    spike = Perturbation("lr_spike", start=6, duration=2, dose=10.0)
+    ds = toy.run(spec("adam", steps=10, lr=0.01, warmup=4, perts=(spike,)))
+    np.testing.assert_allclose(ds.lr.values, 0.01 * np.array([0.25, 0.5, 0.75, 1, 1, 1, 10, 10, 1, 1]))
+    none = toy.run(spec("adam", steps=10, lr=0.01, perts=(spike,)))
+    assert not np.allclose(ds.loss.values[1:], none.loss.values[1:])  # the warmup changed the trajectory
+    np.testing.assert_array_equal(none.lr.values, toy.run(spec("adam", steps=10, lr=0.01, warmup=0, perts=(spike,))).lr)

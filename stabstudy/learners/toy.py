@@ -18,7 +18,7 @@ updates), status ``diverged`` on a non-finite or exploding loss. Tasks:
   ``perf`` = minus the test loss.
 
 Hyperparameters (``spec.hparams``; fields and defaults in :class:`stabstudy.hparams.ToyHParams`): ``lr``,
-``width``, ``depth`` (hidden layers), ``n_train``, ``n_test``, ``batch_size``
+``warmup`` (linear lr warmup steps), ``width``, ``depth`` (hidden layers), ``n_train``, ``n_test``, ``batch_size``
 (0 = full batch; ``gd`` is always full batch), ``beta1``, ``beta2``, ``eps``,
 ``momentum`` (sgd/gd), ``weight_decay``, ``activation`` (tanh|relu|elu|gelu),
 ``loss`` (mse|ce), ``curv_iters``, ``probe_size``, ``diverge_loss``,
@@ -190,6 +190,7 @@ def run(spec: RunSpec) -> xr.Dataset:
     full_batch = spec.learner == "gd" or bs >= n
     data_gen = torch.Generator().manual_seed(seed + 17)
     base_lr = float(hp["lr"])
+    warmup = int(hp["warmup"])
 
     mon = Monitor(model, opt, every=spec.log_every)
     ctrl = control.from_hparams(hp)  # None unless hparams name one: then the loop runs as before
@@ -209,7 +210,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     try:
         for step in range(spec.steps):
             # -- schedule ------------------------------------------------------------
-            pert.on_step_start(step, opt, base_lr)
+            # past the warmup the lr is base_lr itself, not base_lr * 1.0: stored runs recompute bit for bit
+            pert.on_step_start(step, opt, base_lr if step >= warmup else base_lr * (step + 1) / warmup)
             pert.on_params(step, model)
             # -- batch ---------------------------------------------------------------
             if full_batch:
