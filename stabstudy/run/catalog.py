@@ -15,22 +15,27 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     return out + ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
 
 
-def markdown(sections: tuple[str, ...] = SECTIONS) -> str:
-    """The registry's tables; ``sections`` chooses among :data:`SECTIONS` (ValueError names them)."""
+def markdown(sections: tuple[str, ...] = SECTIONS, domain: str | None = None) -> str:
+    """The registry's tables; ``sections`` chooses among :data:`SECTIONS` (ValueError names them).
+
+    With ``domain``, only what a run of that domain can use: its learners and tasks, the perturbation
+    kinds that apply to it, the channels its runs carry, its learners' hyperparameters.
+    """
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise ValueError(f"unknown section(s) {bad}; valid: {', '.join(SECTIONS)}")
+    domains = [registry.domain(domain)] if domain is not None else list(registry.DOMAINS.values())
     lines: list[str] = []
     if "domains" in sections:
         lines += ["## Domains and learners", ""]
         lines += _table(("domain", "learners", "tasks", "steps count"),
                         [(d.name, ", ".join(f"`{n}`" for n in d.learners), d.tasks, d.step_unit)
-                         for d in registry.DOMAINS.values()]) + [""]
+                         for d in domains]) + [""]
     if "kinds" in sections:
         lines += ["## Perturbation kinds", ""]
         lines += _table(("kind", "dimension", "domains", "dose", "once"),
                         [(f"`{k.name}`", k.dimension, ", ".join(k.domains), k.dose, "yes" if k.instantaneous else "")
-                         for k in registry.KINDS.values()]) + [""]
+                         for k in registry.KINDS.values() if domain is None or domain in k.domains]) + [""]
     if "channels" in sections:
         lines += ["## Channels", "",
                   "Every stored run carries the channels marked *always* for its domains (NaN where its learner "
@@ -40,12 +45,12 @@ def markdown(sections: tuple[str, ...] = SECTIONS) -> str:
         every = set(registry.DOMAINS)
         rows = [(f"`{c.name}`", "all" if set(c.domains) == every else ", ".join(c.domains), c.unit, c.source,
                  "yes" if c.always else "", {"optimizer": "per optimizer", "layer": "per layer"}.get(c.per, ""),
-                 c.meaning) for c in registry.CHANNELS.values()]
+                 c.meaning) for c in registry.CHANNELS.values() if domain is None or domain in c.domains]
         lines += _table(("channel", "domains", "units", "source", "always", "family", "meaning"), rows) + [""]
     if "hparams" in sections:
         lines += ["## Hyperparameters", ""]
         seen: set[type] = set()
-        for d in registry.DOMAINS.values():
+        for d in domains:
             for cls in d.learners.values():
                 if cls in seen:
                     continue

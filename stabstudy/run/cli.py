@@ -1,4 +1,4 @@
-"""The ``stabstudy`` command: ``study``, ``runs``, ``report``, ``list``."""
+"""The ``stabstudy`` command: ``study``, ``runs``, ``report``, ``list``, ``new``."""
 
 from __future__ import annotations
 
@@ -82,10 +82,25 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from stabstudy.run import catalog
 
     try:
-        print(catalog.markdown(tuple(args.sections) or catalog.SECTIONS))
+        print(catalog.markdown(tuple(args.sections) or catalog.SECTIONS, args.domain))
     except ValueError as exc:
         print(f"stabstudy list: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _cmd_new(args: argparse.Namespace) -> int:
+    from stabstudy.run import scaffold
+
+    try:
+        written = scaffold.create(args.name)
+    except ValueError as exc:
+        print(f"stabstudy new: error: {exc}", file=sys.stderr)
+        return 2
+    root = paths.root()
+    print(f"new experiment {args.name}:", *(p.relative_to(root) for p in written), sep="\n  ")
+    print(f"next: stabstudy study --profile smoke --only {args.name[:2]}, then stabstudy report --profile smoke "
+          "(docs/extending.md)")
     return 0
 
 
@@ -126,7 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the registry as Markdown (the same tables as docs/registry.md).")
     # no choices=: argparse rejects an empty list against them (Python 3.11); catalog names the valid ones
     p.add_argument("sections", nargs="*", metavar="SECTION", help=f"which tables: {', '.join(SECTIONS)} (default: all)")
+    p.add_argument("--domain", help="only what a run of this domain can use: its learners and tasks, the kinds "
+                                    "that apply to it, its channels and hyperparameters (e.g. --domain toy)")
     p.set_defaults(func=_cmd_list)
+
+    p = sub.add_parser("new", help="scaffold a new notebook experiment (docs/extending.md)",
+                       description="Write notebooks/NN_name.ipynb, stabstudy/analysis/studies/name.py, its entries "
+                                   "in the smoke, quick and paper profiles and tests/test_study_name.py: an example "
+                                   "toy experiment that runs as generated, to be made yours. Refuses a number or "
+                                   "name in use.")
+    p.add_argument("name", metavar="NN_name", help="two digits, an underscore, a module name: e.g. 07_warmup_dose")
+    p.set_defaults(func=_cmd_new)
     return parser
 
 
