@@ -13,6 +13,7 @@ NOT_RUN = "# not run"
 # the docs test does not run them a second time.
 DEDICATED = {
     "docs/control.md": ["Skip()", "PPO("],  # tests/test_control.py
+    "docs/extending.md": ["class LinearHParams", "class LabelNoise"],  # tests/test_extending.py, in a repo copy
     "docs/online.md": ["alarms = [", "Controller(dets", "MetaState(["],  # tests/test_online.py
     "docs/integrations.md": ["CallbackList(",  # tests/test_rl.py
                              "SummaryWriter(", "tensorboard_log", "to_frame", "LightningTelemetryCallback",
