@@ -151,7 +151,7 @@ def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor])
         torch.lt(y, e * e * bc2, out=y)
         torch.sum(y, 0, out=dv[DevField.NBELOW])
         return bc1, bc2
-    inv1, inv2, thr = _per_param(st, ad, hps)
+    inv1, inv2, thr = per_param(st.opt, ad, hps, st.flat.buf.device)
     y.mul_(_per_coord(st, inv1))
     torch.dot(y, y, out=dv[DevField.M2])
     torch.cat(ad.flat_v(), out=y)
@@ -162,13 +162,12 @@ def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor])
     return 1.0, 1.0
 
 
-def _per_param(st: OptState, ad: AdamCache,
-               hps: list[tuple[float, float, float]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """1 / (1 - beta1^t), 1 / (1 - beta2^t) and eps^2 per stepped parameter, float64 on the device."""
+def per_param(opt: torch.optim.Optimizer, ad: AdamCache, hps: list[tuple[float, float, float]],
+              dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """1 / (1 - beta1^t), 1 / (1 - beta2^t) and eps^2 per stepped parameter, float64 on ``dev``."""
     per_hp = [h for h, (_, a, b) in zip(hps, ad.groups, strict=True) for _ in range(a, b)]
-    dev = st.flat.buf.device
     if not ad.device_steps:
-        ts = ad.step_counts(st.opt)
+        ts = ad.step_counts(opt)
         vals = [[1.0 / (1.0 - b1**t) for (b1, _, _), t in zip(per_hp, ts, strict=True)],
                 [1.0 / (1.0 - b2**t) for (_, b2, _), t in zip(per_hp, ts, strict=True)],
                 [e * e for _, _, e in per_hp]]

@@ -44,30 +44,16 @@ device tensors are staged on the device the same way
 on the host (learning rates, Adam's step counts and betas) are read as such; a
 learning rate, beta or eps held in a CUDA tensor is read with a sync.
 
-Cost
-----
-With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step (the gradient
-copied into a flat row, one dot product); the other channels on steps divisible by N (each
-optimizer's own steps; NaN in between). A measured step needs the gradient, the
-parameters before and after the update, Adam's m and v, and the previous step's
-gradient (:mod:`stabstudy.instruments.telemetry.stats`): one foreach copy of gradient and
-parameters into flat rows, one matrix-vector product for g.g and g.g_prev, the
-update formed in place by ``torch._foreach_sub_`` and one more matrix-vector product for
-u.u and u.g, Adam's m and then v gathered by ``torch.cat`` into the row the previous
-gradient no longer needs (:mod:`stabstudy.instruments.telemetry.adam`), with one kernel
-per sum. Memory: three flat rows the size of the stepped parameters per optimizer.
-
-Precision: the copies and sums are float64 for an optimizer stepping a float64 parameter,
-float32 otherwise (float32, float16 and bfloat16 models); the Dataset is float64 either way.
-A float32 copy of float64 parameters would lose the update itself at small learning rates
-(``w_before`` rounded to float32 differs from ``w_after`` by more than the update does).
-Distributed: under DDP every rank computes the same rows (the gradients are averaged before
-the step); with FSDP2 / DTensor-sharded parameters each hook all-reduces its sums over the
-shards' process group (:mod:`stabstudy.instruments.telemetry.sharded`). Rank 0 alone writes to
-``writer``; ``to_dataset`` names the rank.
-Nothing is compiled at run time. ``benchmarks/telemetry_overhead.py`` measures the cost per
-step; :meth:`Monitor.cost` reports the time spent in the hooks of a live Monitor, i.e. its
-share of the user's own loop.
+Cost, precision, distribution
+-----------------------------
+With ``every=N`` only ``grad_norm`` and ``lr`` are computed on every step; the other channels
+on each optimizer's own steps divisible by N (NaN in between). A measured step copies gradient
+and parameters into flat rows (:mod:`.stats`, :mod:`.adam`; three rows the size of the stepped
+parameters, float64 for a float64 model, else float32), or sketches them (``memory="sketch"``,
+:mod:`.sketch`). DDP needs nothing; FSDP2 / DTensor-sharded sums are all-reduced in the hooks
+(:mod:`.sharded`); rank 0 alone writes to ``writer``. Nothing is compiled at run time.
+``benchmarks/telemetry_overhead.py`` measures the cost per step; :meth:`Monitor.cost` the time
+inside the hooks of a live Monitor. Details: ``docs/monitor.md``.
 
 References: Molybog et al. 2023 (update/gradient cosine before Adam
 instability); Kingma & Ba 2015 (Adam bias correction).
@@ -86,7 +72,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from stabstudy import registry
-from stabstudy.instruments.telemetry import sharded, stats
+from stabstudy.instruments.telemetry import sharded, sketch, stats
 from stabstudy.instruments.telemetry.adam import adam_stats
 from stabstudy.instruments.telemetry.channels import (
     LAYER_PARTS,
@@ -128,6 +114,12 @@ class Monitor:
         writer: anything with ``add_scalar(tag, value, global_step)`` (TensorBoard's
             ``SummaryWriter``): every channel goes to it as ``stability/<channel>`` at
             ``global_step`` = the row, a block of rows at a time (:mod:`~stabstudy.instruments.telemetry.sink`).
+        memory: ``"exact"`` (default: flat copies of the gradient and parameters, three rows the
+            size of the parameters) or ``"sketch"``: k-dimensional count-sketches instead, for
+            large models; norms and Adam channels stay exact, ``xgrad``, ``update_grad_cos`` and
+            ``update_norm`` are estimates (:mod:`~stabstudy.instruments.telemetry.sketch`).
+        sketch_dim: k, a power of two (``memory="sketch"``): standard error ~1/sqrt(k) on a cosine.
+        sketch_seed: seed of the sketch's random signs (each optimizer adds its index).
 
     Adam channels are read from ``optimizer.state[p]["exp_avg"|"exp_avg_sq"|"step"]``
     (Adam, AdamW, and any optimizer storing the same keys) and are bias-corrected:
@@ -151,10 +143,19 @@ class Monitor:
     """
 
     def __init__(self, model: Any, optimizer: Any, *, every: int = 1, per_layer: bool = False,
-                 sync_every: int = 64, writer: Any = None):
+                 sync_every: int = 64, writer: Any = None, memory: str = "exact", sketch_dim: int = 4096,
+                 sketch_seed: int = 0):
         for name, v in (("every", every), ("sync_every", sync_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if memory not in sketch.MEMORY_MODES:
+            raise ValueError(f"memory must be one of {', '.join(map(repr, sketch.MEMORY_MODES))}, got {memory!r}")
+        if memory == "sketch":
+            if not isinstance(sketch_dim, int) or isinstance(sketch_dim, bool) or sketch_dim < 16 or \
+                    sketch_dim & (sketch_dim - 1):
+                raise ValueError(f"sketch_dim must be a power of two >= 16, got {sketch_dim!r}")
+            if per_layer:
+                raise ValueError("per_layer=True needs memory='exact' (the sketch has no per-tensor rows)")
         if isinstance(optimizer, Mapping):
             named = list(optimizer.items())
         elif isinstance(optimizer, torch.optim.Optimizer):
@@ -170,6 +171,8 @@ class Monitor:
                 raise TypeError(f"optimizer {name!r} is a {type(o).__name__}, not a torch.optim.Optimizer")
         self.every = every
         self.per_layer = per_layer
+        self.memory, self.sketch_dim, self.sketch_seed = memory, sketch_dim, int(sketch_seed)
+        self._sketch = memory == "sketch"
         self.sync_every = sync_every
         self.enabled = True
         self._opts = [OptState(i, str(n), o) for i, (n, o) in enumerate(named)]
@@ -388,6 +391,19 @@ class Monitor:
             out.append(neg_u.neg().to(p.dtype))
         return out
 
+    def memory_bytes(self) -> int:
+        """Bytes of the tensors this Monitor holds on the parameters' devices: per optimizer its
+        flat rows (``memory="exact"``) or sketches (``"sketch"``) and its device block."""
+        total = 0
+        for st in self._opts:
+            if st.flat is not None:
+                total += st.flat.buf.numel() * st.flat.buf.element_size()
+            if st.sk is not None:
+                total += st.sk.nbytes()
+            if st.block is not None:
+                total += st.block.t.numel() * st.block.t.element_size()
+        return total
+
     def cost(self) -> MonitorCost:
         """Wall time this Monitor spent inside its hooks so far, against the wall time since
         its first hook ran: what it costs *this* training loop. A lower bound: the cache
@@ -580,13 +596,16 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
-        stats.check_params(st, params, grads, ids, self._li is not None)
+        stats.check_params(st, params, grads, ids, self._li is not None, self._sketch)
         if st.group is not None:  # sharded: the sums run over the local shards, then are all-reduced
             params, grads = sharded.local(params), sharded.local(grads)
             cur.params = params
         if self._li is not None:
             self._li.columns(st, params, ids)
         cur.inv = stats.grad_scale(st.opt)
+        if self._sketch and not st.special:
+            self._pre_sketch(st, s, k, params, grads, ids, rec, b)
+            return
         # the flat buffer (and the block, in its dtype) before the first sum; special gradients
         # have none (complex values do not fit a real buffer)
         fb = None if st.special else st.prepare(params, ids)
@@ -622,6 +641,30 @@ class Monitor:
                 rec[b + HostField.PREV] = prev.row
             cur.measuring = True
 
+    def _pre_sketch(self, st: OptState, s: int, k: int, params: list[torch.Tensor], grads: list[torch.Tensor],
+                    ids: tuple[int, ...], rec: memoryview, b: int) -> None:
+        """``memory="sketch"``: the pre-hook with sketches instead of flat copies (the fields are
+        written in canonical order: slot 0)."""
+        cur, prev, sk = st.cur, st.prev, st.sk
+        if sk is None or not sk.fits(params, ids):
+            sk = st.sk = sketch.SketchState(params, ids, self.sketch_dim, self.sketch_seed + st.index)
+            prev.step, st.adam = -10, None
+        dv = self._block_row(st, s, params[0].device, sk.rows.dtype)
+        cur.g2 = dv[DevField.G2]
+        rec[b + HostField.KIND] = Kind.GRAD
+        measure, keep, linked = k % self.every == 0, (k + 1) % self.every == 0, prev.step == k - 1
+        with self._no_grad:
+            sketch.pre(st, sk, grads, params, dv, measure, keep, linked)
+        if not measure:
+            if keep:
+                sketch.keep_g2(sk, dv)
+                prev.keep(k, s, cur.inv)
+            return
+        rec[b + HostField.SLOT] = 0.0
+        if linked:
+            rec[b + HostField.PREV] = prev.row
+        cur.measuring = True
+
     def _post(self, st: OptState) -> None:
         cur = st.cur
         params, stepped, cur.params, cur.stepped = cur.params, cur.stepped, [], []
@@ -633,14 +676,21 @@ class Monitor:
         dv = blk.fields(s)
         layers = tuple(blk.layer(s, j) for j in range(len(LAYER_PARTS))) if self.per_layer else None
         with self._no_grad:
-            stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
-            adam = adam_stats(st, stepped, dv)
+            if st.sk is not None and self._sketch:
+                sketch.post(st, st.sk, params, dv)
+                adam = sketch.adam_stats(st, st.sk, stepped, dv)
+                sketch.keep_g2(st.sk, dv)
+                n_total = st.sk.cs.N
+            else:
+                stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
+                adam = adam_stats(st, stepped, dv)
+                n_total = st.flat.n_total
             if st.group is not None:
                 sharded.all_reduce_(blk.post_fields(s), st.group)
         rec[b + HostField.KIND] = Kind.FULL
         if adam is not None:
             rec[b + HostField.KIND] = Kind.ADAM
-            rec[b + HostField.BC1], rec[b + HostField.BC2], rec[b + HostField.N] = adam[0], adam[1], float(st.flat.n_total)
+            rec[b + HostField.BC1], rec[b + HostField.BC2], rec[b + HostField.N] = adam[0], adam[1], float(n_total)
         st.prev.keep(st.n, s, cur.inv)
         st.last_measured = s
         st.params_at_measure = params

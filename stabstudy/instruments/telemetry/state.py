@@ -146,6 +146,7 @@ class OptState:
         self.last_measured = -1  #: row whose update (negated) sits in buffer row W
         self.params_at_measure: list[torch.Tensor] = []  #: the parameters of that row
         self.adam: Any = None  #: :class:`.adam.AdamCache` of the stepped parameters (built there)
+        self.sk: Any = None  #: :class:`.sketch.SketchState` (``memory="sketch"``), built by the Monitor
 
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
@@ -169,4 +170,5 @@ class OptState:
     def free(self) -> None:
         """Drop every buffer and view of one (what ``Monitor.close`` leaves)."""
         self.flat, self.block, self.adam, self.cur.g2, self.layers.w_before = None, None, None, None, None
+        self.sk = None
         self.params_at_measure = []

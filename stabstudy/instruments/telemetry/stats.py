@@ -38,7 +38,7 @@ def grad_scale(opt: torch.optim.Optimizer) -> float | torch.Tensor | None:
 
 
 def check_params(st: OptState, params: list[torch.Tensor], grads: list[torch.Tensor], ids: tuple[int, ...],
-                 per_layer: bool) -> None:
+                 per_layer: bool, sketched: bool) -> None:
     """What the stepped parameters are (fixed per parameter, so checked when the set changes):
     sharded (``st.group``: their sums are all-reduced, see :mod:`.sharded`); sparse or complex
     gradients (only grad_norm is recorded for them, with a warning)."""
@@ -49,6 +49,8 @@ def check_params(st: OptState, params: list[torch.Tensor], grads: list[torch.Ten
     if st.group is not None and per_layer:
         raise ValueError("Monitor: per_layer=True needs unsharded parameters (per-tensor norms of sharded "
                          "parameters are not reduced across ranks); use per_layer=False with FSDP2 / DTensor")
+    if st.group is not None and sketched:
+        raise ValueError("Monitor: memory='sketch' needs unsharded parameters; use memory='exact' with FSDP2 / DTensor")
     st.special = any(p.is_complex() for p in params) or any(g.is_sparse for g in grads)
     if st.special:
         warnings.warn(f"Monitor: optimizer {st.name!r} steps sparse or complex gradients; only grad_norm "
