@@ -337,6 +337,8 @@ class OffPolicyHParams(RLCommon):
     """gradient steps per train call"""
     tau: Factor = 0.005
     """Polyak coefficient of the target networks"""
+    purge_replay: bool = True
+    """transitions of an env-side perturbation window leave the replay buffer when it ends"""
 
 
 @dataclass(frozen=True)
@@ -347,6 +349,8 @@ class SACHParams(OffPolicyHParams):
     """entropy coefficient: a float, or "auto" to learn it"""
     target_entropy: float | Literal["auto"] = "auto"
     """entropy target of the learnt coefficient (the noise knob); "auto" = -dim(action)"""
+    spike_ent_coef: bool = False
+    """the lr spike also scales the entropy coefficient's optimizer (False: actor and critic only)"""
 
 
 @dataclass(frozen=True)

@@ -316,6 +316,8 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("policy_std", "PPO/A2C's policy standard deviation (SB3's train/std)", "action", ("rl",), "rl"),
     Channel("value_mean", "mean value prediction over the rollout", "return", ("rl",), "rl"),
     Channel("perf_env_step", "environment step at which perf was measured", "env steps", ("rl",), "rl"),
+    Channel("perf_std", "standard deviation of an evaluation's episode returns (NaN with one episode)", "return",
+            ("rl",), "rl"),
 )}
 
 #: Channel name -> meaning (the ``long_name`` attribute of a Dataset variable).

@@ -47,7 +47,8 @@ Step axis and timing
   start and at the end, written on the row of the updates completed at that time (NaN
   elsewhere). Two evaluations between the same two updates (PPO within a rollout,
   off-policy before ``learning_starts``) evaluate the same policy; the later one is
-  kept. ``perf_env_step`` says when each was measured. An evaluation between a
+  kept. ``perf_env_step`` says when each was measured, ``perf_std`` the standard deviation
+  of its episodes' returns (NaN with one episode). An evaluation between a
   ``weight_noise`` / ``reinit_layer`` and the next update is skipped (that row's env
   step and ``perturbed`` flag lie before the event); one due at the event's env step
   runs before the event. ``episode_return`` = mean true (unscaled) training-episode
@@ -68,14 +69,24 @@ Perturbations
   optimizer step taken while ``num_timesteps`` is in the window, in an optimizer step
   pre-hook, i.e. *after* SB3's own ``_update_learning_rate``, so it truly applies.
   On-policy algorithms update only at rollout ends (every ``n_steps`` env steps): a
-  window must contain a rollout end to have any effect.
+  window must contain a rollout end to have any effect. SAC's entropy-coefficient
+  optimizer is left out unless ``spike_ent_coef`` (so the dose is the same across
+  algorithms: the networks' optimizers only; before, it was spiked too, and stored SAC lr-spike
+  runs of that rule are recomputed: :func:`stabstudy.learners.rl.learner.stale`).
 * ``weight_noise``: once, at the first env step >= ``start``: Gaussian noise of
   relative std ``dose`` on every policy parameter
   (:func:`stabstudy.interventions.perturb.add_weight_noise`).
 * ``reinit_layer``: once, at ``start``; ``params={"layer": <policy submodule>}``.
 * ``action_noise``, ``obs_noise``, ``reward_scale`` act through the wrapper of
   :func:`stabstudy.learners.rl.envs.make_env`; the callback only warns when the
-  training env lacks it. Rows are flagged ``perturbed`` for every kind.
+  training env lacks it. Rows are flagged ``perturbed`` for every kind. With
+  ``purge_replay`` (off-policy), the transitions collected inside such a window leave the
+  replay buffer when it ends (the buffer's write position goes back to where the window
+  began, so later transitions overwrite them and sampling never reaches them): afterwards
+  the learner trains on unperturbed data only, as PPO does once it discards the rollout.
+  A buffer that was full (or wrapped) during the window keeps them (the older transitions
+  they overwrote are gone); ``replay_purged`` / ``replay_kept`` count both. PPO normalises
+  its advantages, so a reward factor reaches its policy update only through the value loss.
 
 Divergence: non-finite or exploding (``> threshold``) losses, gradient norms, Q values,
 evaluation returns or parameters stop training at the env step they are found; the
@@ -213,11 +224,18 @@ class PerturbationCallback(RecorderCallback):
         recorder: the shared :class:`Recorder` (None: a new one); it gets the schedule.
         schedule: a :class:`~stabstudy.interventions.perturb.Schedule` or perturbations.
         seed: seeds the private generator of each parametric event (with the event's start).
+        spike_ent_coef: the lr spike also scales SAC's entropy-coefficient optimizer.
+        purge_replay: off-policy: transitions of an env-side window leave the replay buffer when it ends.
     """
 
     def __init__(self, recorder: Recorder | None = None, schedule: Schedule | Sequence[Perturbation] = (),
-                 seed: int = 0, verbose: int = 0):
+                 seed: int = 0, verbose: int = 0, spike_ent_coef: bool = False, purge_replay: bool = True):
         super().__init__(recorder, verbose)
+        self.spike_ent_coef = bool(spike_ent_coef)
+        self.purge_replay = bool(purge_replay)
+        self.replay_purged = 0  # transitions removed from the replay buffer at window ends
+        self.replay_kept = 0  # perturbed transitions a full buffer kept
+        self._marks: dict[int, tuple[int, bool]] = {}  # perturbation id -> replay (pos, full) at its start
         self.schedule = schedule if isinstance(schedule, Schedule) else Schedule(tuple(schedule))
         if self.recorder.schedule.perturbations:
             raise ValueError("this Recorder already has a schedule: one PerturbationCallback per Recorder")
@@ -237,7 +255,8 @@ class PerturbationCallback(RecorderCallback):
                           stacklevel=2)
         # at init, before any callback starts: see TelemetryCallback._on_training_start
         if not self._handles and any(p.kind == "lr_spike" for p in self.schedule.perturbations):
-            self._opts = optimizers_of(self.model)
+            self._opts = {k: o for k, o in optimizers_of(self.model).items()
+                          if k != "ent_coef" or self.spike_ent_coef}
             for opt in self._opts.values():
                 self._handles.append(opt.register_step_pre_hook(self._lr_pre))
 
@@ -265,6 +284,8 @@ class PerturbationCallback(RecorderCallback):
 
     def _on_step(self) -> bool:
         t = self.model.num_timesteps
+        if self.purge_replay and getattr(self.model, "replay_buffer", None) is not None:
+            self._purge(t)
         due = [p for p in self.schedule.perturbations
                if p.kind in PARAMETRIC_KINDS and t >= p.start and id(p) not in self._fired]
         if due:
@@ -274,6 +295,25 @@ class PerturbationCallback(RecorderCallback):
             self._apply(p)
             self.recorder.parametric_pending = True
         return super()._on_step()
+
+    def _purge(self, t: int) -> None:
+        """Called after the env step ``t - 1`` was taken, before its transition is stored (SB3
+        stores it after the callbacks): at ``t = start + 1`` mark the buffer's write position (the
+        window's first transition goes there), at ``t = end + 1`` (its last one stored) go back to it."""
+        rb = self.model.replay_buffer
+        for p in self.schedule.perturbations:
+            if p.kind not in ENV_KINDS:
+                continue
+            if t == p.start + 1:
+                self._marks[id(p)] = (int(rb.pos), bool(rb.full))
+            elif t == p.end + 1 and id(p) in self._marks:
+                pos, full = self._marks.pop(id(p))
+                n = p.end - p.start
+                if full or pos + n > rb.buffer_size:
+                    self.replay_kept += n
+                else:
+                    rb.pos, rb.full = pos, False
+                    self.replay_purged += n
 
     def _apply(self, p: Perturbation) -> None:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + p.start)
@@ -363,11 +403,13 @@ class EvaluationCallback(RecorderCallback):
                     done = term or trunc
                 rets.append(ret)
             perf = float(np.mean(rets))
+            spread = float(np.std(rets, ddof=1)) if len(rets) > 1 else math.nan
         except Exception as e:  # a NaN policy can crash the simulator
-            perf = math.nan
+            perf = spread = math.nan
             self.recorder.diverge(f"evaluation failed: {type(e).__name__}: {e}")
         row = self.recorder.row(self.recorder.n_updates)
         row["perf"] = perf
+        row["perf_std"] = spread
         row["perf_env_step"] = float(t)
         self.recorder.evaluated(perf)
 

@@ -53,7 +53,7 @@ from stabstudy.learners.rl.callbacks import (
     PerturbationCallback,
     TelemetryCallback,
 )
-from stabstudy.learners.rl.envs import check_env_id, make_base, make_env, make_eval_env
+from stabstudy.learners.rl.envs import ENV_KINDS, check_env_id, make_base, make_env, make_eval_env
 from stabstudy.learners.rl.recorder import ROLLOUT_FLAGGED, Recorder
 from stabstudy.registry import LEARNERS, NOISE_KNOB, ON_POLICY, hparams_class
 from stabstudy.seeding import seed_everything
@@ -122,7 +122,9 @@ def callbacks_for(spec: RunSpec, monitor: bool = True, evaluation: bool = True) 
     cbs: list[BaseCallback] = [EpisodeReturnCallback(rec)]
     if monitor:
         cbs.append(TelemetryCallback(rec, every=max(int(hp["monitor_every"]), spec.log_every)))
-    cbs.append(PerturbationCallback(rec, spec.perturbations, seed=spec.seed))
+    cbs.append(PerturbationCallback(rec, spec.perturbations, seed=spec.seed,
+                                    spike_ent_coef=bool(hp.get("spike_ent_coef", False)),
+                                    purge_replay=bool(hp.get("purge_replay", False))))
     if evaluation:
         span = spec.steps - (forks.prefix_steps(spec) if forks.role(spec) == "fork" else 0)
         cbs.append(EvaluationCallback(rec, make_eval_env(spec.task, hp["eval_max_steps"]),
@@ -222,10 +224,12 @@ def run(spec: RunSpec) -> xr.Dataset:
     for c in cb.callbacks:
         if isinstance(c, ControllerCallback):
             ds.attrs.update(c.attrs())
+        if isinstance(c, PerturbationCallback):
+            ds.attrs.update(replay_purged=c.replay_purged, replay_kept=c.replay_kept)
     ds.attrs.update(status="diverged" if rec.diverged else "ok", diverge_reason=rec.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(rec.n_updates), algo=spec.learner,
                     learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,
-                    monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind)
+                    monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind, dose_rules=DOSE_RULES)
     if kind == "prefix":
         _, sha = forks.save(spec, model, {"n_updates": rec.n_updates, "train_calls": rec.train_calls,
                                           "diag_rng": _diagnostics(cb).rng_state},
@@ -251,6 +255,13 @@ PERTURBATION_ROWS = 1
 MONITOR_OWN_STEPS = 1
 
 
+#: 1: SAC's lr spike leaves the entropy-coefficient optimizer alone (``spike_ent_coef``) and an
+#: off-policy learner's replay buffer drops an env-side window's transitions when it ends
+#: (``purge_replay``); before, both were not so. Only SAC lr-spike runs and off-policy runs
+#: with env-side kinds are affected (:func:`stale`), so other stored runs are kept.
+DOSE_RULES = 1
+
+
 def stale(spec: RunSpec, attrs: dict) -> str | None:
     """Why a stored run of ``spec`` no longer describes it, or None (see
     :func:`stabstudy.run.runner.pending`)."""
@@ -259,6 +270,10 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
     have = int(attrs.get("perturbation_rows", 0))
     if affected and have != PERTURBATION_ROWS:
         return f"keeps the rows of its perturbation by an older rule (perturbation_rows {have}, now {PERTURBATION_ROWS})"
+    if int(attrs.get("dose_rules", 0)) != DOSE_RULES and (
+            (spec.learner == "sac" and "lr_spike" in kinds) or (spec.learner not in ON_POLICY and kinds & set(ENV_KINDS))):
+        return (f"made by older dose rules (dose_rules {int(attrs.get('dose_rules', 0))}, now {DOSE_RULES}: SAC's "
+                "entropy-coefficient optimizer spiked, env-side transitions kept in the replay buffer)")
     if spec.learner == "td3" and int(attrs.get("monitor_own_steps", 0)) != MONITOR_OWN_STEPS:
         return "sampled the delayed actor's telemetry by rows, not by its own steps (monitor_own_steps 0)"
     if forks.role(spec) == "prefix" and attrs.get("status") in ("ok", "diverged") and not forks.has_checkpoint(spec):
