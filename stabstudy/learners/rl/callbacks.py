@@ -255,9 +255,11 @@ class PerturbationCallback(RecorderCallback):
                           stacklevel=2)
         # at init, before any callback starts: see TelemetryCallback._on_training_start
         if not self._handles and any(p.kind == "lr_spike" for p in self.schedule.perturbations):
-            self._opts = {k: o for k, o in optimizers_of(self.model).items()
-                          if k != "ent_coef" or self.spike_ent_coef}
-            for opt in self._opts.values():
+            every = optimizers_of(self.model)
+            self._opts = {k: o for k, o in every.items() if k != "ent_coef" or self.spike_ent_coef}
+            # hooked on every optimizer, spiked or not: SAC's entropy optimizer steps first in a round,
+            # and the factor must be in place on the others by then (the Monitor reads their lr there)
+            for opt in every.values():
                 self._handles.append(opt.register_step_pre_hook(self._lr_pre))
 
     def _lr_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
