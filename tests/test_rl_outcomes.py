@@ -139,3 +139,28 @@ def test_a_knob_that_did_not_change_the_policys_noise_is_caught():
     assert O.knob_changed(control, control, "td3", 300, lookback=250)[0] is None
     missing, reason = O.knob_changed(_run([100], loss=[1.0]), control, "sac", 300, lookback=250)
     assert missing is False and "no ent_coef" in reason
+
+
+def _prefix_rows(rates):
+    return pd.DataFrame([{"learner": a, "pert_kind": "lr_spike", "pert_dose": 10.0, "prefix": f"{a}{i}",
+                          "collapsed_prefix": float(i < k)} for a, (k, n) in rates.items() for i in range(n)])
+
+
+@pytest.mark.parametrize(("rates", "joint"), [
+    ({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}, "supported"),
+    ({"ppo": (8, 8), "sac": (0, 8), "td3": (7, 8)}, "inconclusive"),
+    ({"ppo": (0, 8), "sac": (8, 8), "td3": (0, 8)}, "not supported"),
+    ({"ppo": (0, 0), "sac": (0, 0), "td3": (0, 0)}, "not tested"),
+])
+def test_the_headline_claim_is_decided_over_prefixes_with_its_power(rates, joint):
+    rows = O.collapse_at_dose_claims(_prefix_rows(rates), 10.0)
+    assert rows[-1].verdict == joint and len(rows) == 3
+    if rates["ppo"][1]:
+        assert all("power" in r.reason for r in rows[:2])
+
+
+def test_a_learner_the_spike_reached_no_update_of_is_not_tested():
+    rows = O.collapse_at_dose_claims(_prefix_rows({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}), 10.0,
+                                     spiked={"ppo": 20, "sac": 0, "td3": 40})
+    assert rows[0].verdict == "not tested" and "no update of SAC" in rows[0].reason
+    assert rows[1].verdict == "supported" and rows[2].verdict == "inconclusive"

@@ -346,3 +346,64 @@ def checked(claim: Claim, ok: bool, reason: str) -> Claim:
     if ok:
         return claim
     return not_tested(claim.claim, claim.source, f"manipulation check failed: {reason}", n=claim.n)
+
+
+# -- the headline claims over prefixes ------------------------------------------------------
+
+
+def collapse_at_dose_claims(per_prefix, dose: float, *, on_policy: str = "ppo", off_policy: Sequence[str] = ("sac", "td3"),
+                            kind: str = "lr_spike", spiked: Mapping[str, int] | None = None, alpha: float = 0.05,
+                            planning: tuple[float, float] = (0.9, 0.1)) -> list[Claim]:
+    """Claim (a): "``on_policy`` collapses at ``dose`` where every ``off_policy`` learner does not".
+
+    ``per_prefix``: :func:`by_prefix` rows (one per prefix: ``collapsed_prefix``). One row per
+    off-policy learner, a one-sided Boschloo test over prefixes (``rate_comparison``: the
+    on-policy learner's rate above its rate, each at ``alpha / len(off_policy)``), then the joint
+    row: ``supported`` only when every comparison is, ``not supported`` when any is, else
+    ``inconclusive``. ``spiked``: per learner, the updates the perturbation reached (median over
+    its forks, :func:`spiked_updates`); a learner with none is ``not tested`` (the manipulation
+    check). Every reason states the power of its test at the ``planning`` rates for its numbers of prefixes
+    (:func:`stabstudy.analysis.studies.rl_design.boschloo_power`)."""
+    from stabstudy.analysis import claims as C
+    from stabstudy.analysis.studies.rl_design import boschloo_power
+
+    level = alpha / max(1, len(off_policy))
+    cols = {"learner", "pert_kind", "pert_dose", "collapsed_prefix"}
+    at = per_prefix[(per_prefix.pert_kind == kind) & (per_prefix.pert_dose == dose)] if cols <= set(per_prefix) else None
+
+    def counts(a):
+        if at is None:
+            return 0, 0
+        c = at[at.learner == a]["collapsed_prefix"].to_numpy(float)
+        c = c[np.isfinite(c)]
+        return int(c.sum()), int(c.size)
+
+    k1, n1 = counts(on_policy)
+    rows = []
+    for a in off_policy:
+        k0, n0 = counts(a)
+        text = f"{on_policy.upper()} collapses at x{dose:g} more often than {a.upper()} (over prefixes, against the paired control)"
+        power = boschloo_power(*planning, max(n1, 1), max(n0, 1), alpha=level) if n1 and n0 else np.nan
+        claim = C.rate_comparison(text, "source paper: the report under test", k1, n1, k0, n0, direction="greater",
+                                  alpha=level)
+        claim = replace_reason(claim, f"{claim.reason}; power {power:.2f} at planning rates {planning[0]:g} vs "
+                                      f"{planning[1]:g} with {n1} and {n0} prefixes, alpha {level:.3g}")
+        missing = [x for x in (on_policy, a) if spiked is not None and int(spiked.get(x, 0)) == 0]
+        rows.append(checked(claim, not missing, f"the perturbation reached no update of {', '.join(m.upper() for m in missing)}"))
+    verdicts = [r.verdict for r in rows]
+    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
+             "not supported" if "not supported" in verdicts else
+             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
+    others = " and ".join(a.upper() for a in off_policy)
+    rows.append(Claim(f"{on_policy.upper()} collapses at x{dose:g} where {others} do not (every comparison must hold)",
+                      "source paper: the report under test", joint,
+                      "; ".join(f"{a.upper()}: {v}" for a, v in zip(off_policy, verdicts, strict=True)),
+                      n=sum(r.n for r in rows), test="intersection of one-sided Boschloo tests"))
+    return rows
+
+
+def replace_reason(claim: Claim, reason: str) -> Claim:
+    """``claim`` with another reason (same verdict and numbers)."""
+    from dataclasses import replace
+
+    return replace(claim, reason=reason)
