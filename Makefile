@@ -7,17 +7,30 @@ STAMP    := $(VENV)/.installed
 PROFILE  ?= quick
 SCHEDULER ?=
 
-.PHONY: install study smoke test lint lab report bench strip clean
+.PHONY: install lock study smoke test lint lab report bench strip clean
 
-# Exact versions from requirements.lock (the supported machine); pyproject.toml keeps the
-# loose ranges for people who install stabstudy as a library.
-$(STAMP): pyproject.toml requirements.lock
+# torch first, by its exact version from pyproject.toml and without its dependencies: the hashed
+# locks leave it out (where pip finds a CPU wheel, as on the supported machine, that is what
+# a CPU machine gets; PyPI's wheel of that version pulls the CUDA libraries), and they carry
+# its dependencies. Then everything else at the exact versions and hashes of the locks
+# (requirements.lock: the study's runtime; requirements-dev.lock: what the tests and tools
+# add), then the project itself with its [study,dev] extras. pyproject.toml keeps the ranges
+# for people who `pip install stabstudy` as a library; `make lock` recompiles the locks.
+TORCH := $(shell sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
+
+$(STAMP): pyproject.toml requirements.lock requirements-dev.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -r requirements.lock
-	$(BIN)/python -m pip install --no-deps -e '.[dev]'
+	$(BIN)/python -m pip install --no-deps 'torch==$(TORCH)'
+	$(BIN)/python -m pip install --require-hashes -r requirements.lock -r requirements-dev.lock
+	$(BIN)/python -m pip install --no-deps -e '.[study,dev]'
 	touch $(STAMP)
 
 install: $(STAMP)
+
+## make lock: recompile the hashed locks and environment.yml from pyproject.toml (tools/deps.py)
+lock: $(STAMP)
+	$(BIN)/python tools/deps.py lock
+	$(BIN)/python tools/deps.py environment
 
 ## make study: the whole study, default quick profile, embedded local Dask cluster
 study: $(STAMP)
@@ -29,11 +42,11 @@ smoke: $(STAMP)
 
 ## make test: lint + unit tests + every notebook under the smoke profile
 test: $(STAMP)
-	$(BIN)/ruff check stabstudy tests benchmarks
+	$(BIN)/ruff check stabstudy tests benchmarks tools
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check stabstudy tests benchmarks
+	$(BIN)/ruff check stabstudy tests benchmarks tools
 
 lab: $(STAMP)
 	$(BIN)/jupyter lab notebooks

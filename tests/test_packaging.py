@@ -1,0 +1,176 @@
+"""The install: a lean core with extras, every import declared, hashed locks, environment.yml current."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from leanimport import ROOT, _norm
+from packaging.requirements import Requirement
+
+sys.path.insert(0, str(ROOT / "tools"))
+import deps  # noqa: E402
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+EXTRAS = PROJECT["optional-dependencies"]
+
+
+def lean(extras: str, code: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "leanimport.py"), extras, code], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+MONITOR = """
+import torch
+from stabstudy.instruments.telemetry import Monitor
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+with Monitor(model, opt) as mon:
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+assert mon.to_dataset().sizes["step"] == 3
+"""
+CONTROLLER = """
+import torch
+from stabstudy.interventions.control import Controller, Skip
+from stabstudy.online import RobustZ
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+ctrl = Controller(RobustZ(side="up"), Skip(), log=True).attach(opt)
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).pow(2).mean().backward()
+    opt.step()
+ctrl.close()
+assert len(ctrl.records()["intervened"]) == 3
+"""
+SB3_CALLBACKS = """
+from stabstudy.learners.rl import (ControllerCallback, DiagnosticsCallback, EvaluationCallback,
+                                   PerturbationCallback, Recorder, TelemetryCallback)
+"""
+@pytest.mark.parametrize(("extras", "code"), [("", MONITOR), ("", CONTROLLER), ("rl", SB3_CALLBACKS)],
+                         ids=["monitor-core", "controller-core", "sb3-callbacks-rl"])
+def test_lean_install_imports_and_runs(extras, code):
+    proc = lean(extras, code)
+    # the packages of the other extras were hidden (libraries probing for optional ones saw them absent)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_the_lean_check_hides_what_an_extra_would_bring():
+    proc = lean("", SB3_CALLBACKS)  # the callbacks without [rl]
+    assert proc.returncode != 0 and "No module named 'stable_baselines3'" in proc.stderr
+    proc = lean("", "import importlib.util; assert importlib.util.find_spec('papermill') is None")
+    assert proc.returncode == 0, proc.stderr[-2000:]  # a probing library sees it as absent
+    with pytest.raises(ValueError, match="valid: rl"):
+        __import__("leanimport").distributions(["nosuch"])
+
+
+def _declared() -> set[str]:
+    """Distributions pyproject names (the core and every extra), with those its requirements'
+    own extras add (dask[distributed] -> distributed)."""
+    out = set()
+    for spec in PROJECT["dependencies"] + [r for reqs in EXTRAS.values() for r in reqs]:
+        req = Requirement(spec)
+        out.add(_norm(req.name))
+        if req.extras and _norm(req.name) != "stabstudy":
+            for sub in md.distribution(req.name).requires or []:
+                s = Requirement(sub)
+                if s.marker and any(s.marker.evaluate({"extra": e}) for e in req.extras):
+                    out.add(_norm(s.name))
+    return out
+
+
+def _imports() -> dict[str, set[str]]:
+    """Top-level third-party module -> the stabstudy files that import it (also inside functions)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "stabstudy").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for n in names:
+                top = n.partition(".")[0]
+                if top != "stabstudy" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_imported_package_is_declared():
+    owners = md.packages_distributions()
+    declared = _declared()
+    missing = {mod: sorted(files) for mod, files in _imports().items()
+               if not any(_norm(d) in declared for d in owners.get(mod, [mod]))}
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"
+
+
+#: package -> the private names stabstudy uses, each to be named in a comment beside the package's
+#: upper bound in pyproject.toml.
+PRIVATE = {"river": ["_sum_increase", "_min_increase", "_x_mean"], "zclip": ["_compute_clip_val"],
+           "torch": ["_get_file_writer"]}
+
+
+@pytest.mark.parametrize("package", sorted(PRIVATE))
+def test_private_apis_in_use_have_an_upper_bound_that_names_them(package):
+    code = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "stabstudy").rglob("*.py"))
+    assert any(name in code for name in PRIVATE[package]), f"stabstudy no longer uses {package}'s private API: drop it here"
+    text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    m = re.search(rf'((?:\s*#[^\n]*\n)+)\s*"{package}[^"]*"', text)
+    assert m, f"no comment above {package}'s requirement"
+    spec = next(Requirement(r) for r in PROJECT["dependencies"] + [r for v in EXTRAS.values() for r in v]
+                if _norm(Requirement(r).name) == package)
+    assert any(s.operator in ("<", "<=", "==", "~=") for s in spec.specifier), f"{spec} has no upper bound"
+    for name in PRIVATE[package]:
+        if name in code:
+            assert name in m.group(1), f"the comment above {spec} must name {name}"
+
+
+def _locks() -> dict[str, dict[str, str]]:
+    return {f.name: deps.lock_entries(f.read_text(encoding="utf-8")) for f in (deps.RUNTIME, deps.DEV)}
+
+
+def test_locks_are_hashed_without_torch_or_cuda_and_separate():
+    locks = _locks()
+    runtime, dev = locks["requirements.lock"], locks["requirements-dev.lock"]
+    for name, entries in locks.items():
+        assert entries, name
+        assert all("--hash=sha256:" in e for e in entries.values()), f"{name}: an entry without a hash"
+        assert "torch" not in entries, f"{name}: torch is installed by version first (Makefile), not locked"
+        cuda = [k for k in entries if k.startswith(("nvidia-", "cuda-", "triton"))]
+        assert not cuda, f"{name} pulls CUDA packages: {cuda}"
+    assert not set(runtime) & set(dev), "the dev lock repeats runtime packages"
+    assert {"pytest", "ruff"} <= set(dev) and not {"pytest", "ruff"} & set(runtime)
+
+
+def test_locks_pin_every_declared_package_within_its_range():
+    pins = {k: v.split("==", 1)[1].split()[0] for entries in _locks().values() for k, v in entries.items()}
+    for spec in PROJECT["dependencies"] + [r for reqs in EXTRAS.values() for r in reqs]:
+        req = Requirement(spec)
+        name = _norm(req.name)
+        if name in ("stabstudy", "torch"):
+            continue
+        assert name in pins, f"{name} is declared but in neither lock: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), f"lock pins {name}=={pins[name]}, outside {req}"
+
+
+def test_make_install_puts_torch_first_by_its_exact_version_then_the_hashed_locks():
+    out = subprocess.run(["make", "-n", "-B", "install"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    pip = [line for line in out if " -m pip install" in line]
+    assert f"--no-deps 'torch=={deps.torch_pin()}'" in pip[0]
+    assert "--require-hashes -r requirements.lock -r requirements-dev.lock" in pip[1]
+    assert "'.[study,dev]'" in pip[2]
+
+
+def test_environment_yml_is_generated_from_pyproject():
+    assert (ROOT / "environment.yml").read_text(encoding="utf-8") == deps.environment_yml(), \
+        "environment.yml is stale: run `python tools/deps.py environment`"
+    for pkg in ("statsmodels", "river", "ewstools", "zclip", "nbformat"):
+        assert f"- {pkg}" in deps.environment_yml()
