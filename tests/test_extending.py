@@ -73,8 +73,21 @@ def repo(tmp_path):
     return copy_repo(tmp_path / "repo")
 
 
-def test_new_writes_the_six_pieces_and_refuses_a_taken_number_or_name(repo, monkeypatch, capsys):
-    monkeypatch.setenv("STABSTUDY_ROOT", str(repo))
+def test_new_refuses_a_taken_number_or_a_malformed_name_and_writes_nothing(capsys):
+    before = tree(ROOT / "notebooks"), tree(ROOT / "stabstudy/run/profiles")
+    for stem, why in [("00_probe", "clashes with 00_instrument_calibration"), ("7_probe", "must look like NN_name")]:
+        assert main(["new", stem]) == 2, stem
+        assert why in capsys.readouterr().err, stem
+    assert (tree(ROOT / "notebooks"), tree(ROOT / "stabstudy/run/profiles")) == before
+
+
+def test_new_refuses_a_checkout_whose_package_it_does_not_import(repo, monkeypatch):
+    monkeypatch.setenv("STABSTUDY_ROOT", str(repo))  # this process imports the package of another checkout
+    with pytest.raises(ValueError, match="not from the checkout"):
+        scaffold.plan("07_probe")
+
+
+def test_new_writes_the_six_pieces_and_refuses_a_taken_number_or_name(repo):
     written = scaffold.create("07_probe", root=repo)
     rel = sorted(p.relative_to(repo).as_posix() for p in written)
     assert rel == ["notebooks/07_probe.ipynb", "stabstudy/analysis/studies/probe.py",
@@ -88,8 +101,8 @@ def test_new_writes_the_six_pieces_and_refuses_a_taken_number_or_name(repo, monk
                       ("7_probe", "must look like NN_name"), ("08_Probe", "must look like NN_name"),
                       ("08_class", "must look like NN_name"), ("08_a__b", "must look like NN_name"),
                       ("08-probe", "must look like NN_name")]:
-        assert main(["new", stem]) == 2, stem
-        assert why in capsys.readouterr().err, stem
+        with pytest.raises(ValueError, match=why):
+            scaffold.create(stem, root=repo)
     (repo / "stabstudy/analysis/studies/calib.py").write_text('"""A module of that name."""\n')
     with pytest.raises(ValueError, match=r"studies/calib.py exists already"):
         scaffold.create("08_calib", root=repo)
@@ -231,9 +244,21 @@ def test_every_block_of_the_guide_has_a_rule():
     assert kinds <= known, kinds - known
 
 
+def runs_of_scripts(found: list[Block]) -> list[Block]:
+    """``found`` with each run of consecutive plain ```python blocks joined into one script, as a reader
+    pasting them into one session would run them (one interpreter start instead of several)."""
+    out: list[Block] = []
+    for b in found:
+        if out and b.lang == "python" and not b.attrs and out[-1].lang == "python" and not out[-1].attrs:
+            out[-1] = Block("python", {}, out[-1].body + "\n\n" + b.body, out[-1].line)
+        else:
+            out.append(b)
+    return out
+
+
 @pytest.mark.notebook
 def test_the_guide_followed_block_by_block_ends_in_its_claims_row(repo):
-    printed = [follow(b, repo) for b in blocks()]
+    printed = [follow(b, repo) for b in runs_of_scripts(blocks())]
     rows = claim_rows(repo, "07_warmup_dose")
     assert len(rows) == 1, rows
     assert rows[0][1].startswith("a longer lr warmup lowers the critical lr-spike dose"), rows

@@ -12,7 +12,8 @@ pick it up by its name:
 * ``tests/test_study_name.py``: the claim where it passes, where it fails, with missing data.
 
 Nothing is written when any of it would clash with what exists (the number, the name, the module,
-the test, a profile entry) or the name is malformed: :class:`ValueError` says which. Every file is
+the test, a profile entry), when the name is malformed, or when this process imports the package of
+another checkout (the study would not read the profiles written): :class:`ValueError` says which. Every file is
 written atomically; should a write fail, the files written before it are restored.
 """
 
@@ -79,11 +80,16 @@ def notebook_json(text: str) -> str:
 def plan(stem: str, root: Path | None = None) -> Plan:
     """Everything ``stabstudy new stem`` would write under ``root`` (default: the checkout), checked first."""
     number, name = parse_name(stem)
+    here = root is None
     root = root or paths.root()
     pkg = root / "stabstudy"
     if not (root / "notebooks").is_dir() or not (pkg / "analysis" / "studies").is_dir():
         raise ValueError(f"stabstudy new writes into a source checkout (notebooks/, stabstudy/analysis/studies/); "
                          f"{root} is none: run it from a clone, or set STABSTUDY_ROOT")
+    if here and paths.profiles_dir().resolve() != (pkg / "run" / "profiles").resolve():
+        # the study would read the profiles of the package it imports, not the ones written here
+        raise ValueError(f"stabstudy is imported from {paths.profiles_dir().parents[1]}, not from the checkout "
+                         f"{root}: install the checkout (pip install -e .) or put it first on PYTHONPATH")
     taken = sorted(p.stem for p in (root / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     clash = [s for s in taken if s.split("_", 1)[0] == number or s.split("_", 1)[1] == name]
     if clash:
