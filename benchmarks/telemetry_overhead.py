@@ -40,6 +40,7 @@ is right. If PyHessian is missing or fails, its row says why and the rest still 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -61,8 +62,8 @@ from stabstudy.learners.gpt import GPT
 VARIANTS = (("off", 0), ("every=1", 1), ("every=10", 10), ("floor: read grads", -1))
 
 
-#: targets: median ratio of the step time with the Monitor to the step time without it
-TARGETS = {("gpt", "every=1"): 1.06, ("gpt", "every=10"): 1.02, ("mlp", "every=1"): 1.15}
+#: targets (the scale issue's): median ratio of the step time with the Monitor to the step time without it
+TARGETS = {("gpt", "every=1"): 1.03, ("gpt", "every=10"): 1.015, ("mlp", "every=1"): 1.15, ("mlp", "every=10"): 1.08}
 
 
 class GradReadOnly:
@@ -421,7 +422,9 @@ def print_overhead(rows, args) -> None:
     shares = {r["workload"]: r["opt_share"] for r in rows if "opt_share" in r}
     print("opt.step() share of a training step without the Monitor (median): "
           + ", ".join(f"{w} {100 * v:.0f}%" for w, v in shares.items()))
-    print("targets (median ratio): " + ", ".join(f"{w} {v} <= x{t:.2f}" for (w, v), t in TARGETS.items()))
+    print(f"load average at the end (1, 5, 15 min): {', '.join(f'{v:.1f}' for v in os.getloadavg())} "
+          f"on {os.cpu_count()} cores")
+    print("targets (median ratio): " + ", ".join(f"{w} {v} <= x{t:.3f}" for (w, v), t in TARGETS.items()))
     for w in shares:
         got = {r["variant"]: r for r in rows if r["workload"] == w}
 
