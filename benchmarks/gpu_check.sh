@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$(date +%s)
 # the tests that need CUDA (skipped without it) and the no-host-sync ones
 timeout 300 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/cuda_tests.xml" \
-  tests/test_telemetry.py tests/test_lm.py tests/test_curvature.py \
+  tests/test_telemetry.py tests/test_lm.py tests/test_curvature.py tests/test_sketch.py \
   -k "on_cuda or synchronise_with_the_host" > "$OUT/cuda_tests.log" 2>&1
 echo "pytest (CUDA tests): exit $? after $(( $(date +%s) - start )) s; log: $OUT/cuda_tests.log"
 timeout 240 "$PY" benchmarks/gpu_check.py --junit "$OUT/cuda_tests.xml" --out "$OUT/gpu_check.md"

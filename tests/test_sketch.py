@@ -131,3 +131,32 @@ def test_memory_mode_is_validated():
         Monitor(None, opt, memory="sketch", sketch_dim=1000)
     with pytest.raises(ValueError, match="per_layer=True needs memory='exact'"):
         Monitor(None, opt, memory="sketch", per_layer=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sketch_mode_makes_no_host_sync_on_cuda():
+    """memory="sketch" on CUDA: no synchronising call in the steps (sync debug mode "error"), and
+    the same channels as on the CPU (the sketch's signs are drawn on the host, the same there)."""
+    out = {}
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        mon = Monitor(model, opt, every=2, memory="sketch", sketch_dim=256, sync_every=4)
+        x, y = torch.randn(16, 32).to(device), torch.randn(16, 4).to(device)
+        for i in range(9):
+            if device == "cuda" and i >= 1:  # the first step builds the sketch (host -> device copies)
+                if i == 1:
+                    torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        out[device] = mon.to_dataset()
+        mon.close()
+    for ch in OPT_CHANNELS:
+        np.testing.assert_allclose(out["cuda"][ch].values, out["cpu"][ch].values, rtol=1e-3, atol=1e-5,
+                                   equal_nan=True, err_msg=ch)
