@@ -2,7 +2,7 @@
 
 ``river`` is imported when a detector is built, not when this module is: ``import stabstudy.online``
 needs numpy only. :class:`PageHinkley` reads river's private ``_sum_increase``, ``_min_increase`` and
-``_x_mean`` (river exposes only a drift flag); the tests drive it on the installed river.
+``_x_mean`` (river exposes only a drift flag), so pyproject bounds river from above.
 """
 
 from __future__ import annotations
