@@ -160,7 +160,7 @@ def test_a_monitors_own_dataset_takes_long_names_and_units_from_the_registry():
         loss = net(torch.ones(4, 3)).pow(2).mean()
         loss.backward()
         opt.step()
-        mon.log(loss=float(loss), my_metric=1.0)
+        mon.log(loss=float(loss.detach()), my_metric=1.0)
     ds = mon.to_dataset()
     mon.close()
     for ch in ("grad_norm", "adam_v_mean", "loss", "lr"):
