@@ -167,7 +167,7 @@ def test_adam_second_moment_bounds_the_spiking_step():
                     p.grad.mul_(1e3)  # a spike
             before = [p.detach().clone() for p in model.parameters()]
             opt.step()
-        moved[act is None] = max(float((p - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True))
+        moved[act is None] = max(float((p.detach() - b).abs().max()) for p, b in zip(model.parameters(), before, strict=True))
     assert moved[False] < 0.5 * moved[True]  # v_hat >= g^2: at most about lr * |m_hat| / |g| per coordinate
 
 

@@ -503,7 +503,7 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
     row = {r: i for i, r in enumerate(sc["run"].values)}
     cal_null = E.null_runs(info, "calibration")
     segs = E.event_free(cal_null, burn_in, horizon)
-    pairs = {(d, r): E._pairs(arr[k], {row[r]: segs[r]}) for k, d in enumerate(dets) for r in cal_null.index}
+    pairs = {(d, r): E.step_pairs(arr[k], {row[r]: segs[r]}) for k, d in enumerate(dets) for r in cal_null.index}
     cal = info[info.split == "calibration"]
     ev_info = info[info.split == "evaluation"]
     ev_null = E.null_runs(info, "evaluation")

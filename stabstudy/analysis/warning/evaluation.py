@@ -240,7 +240,7 @@ def event_free(info: pd.DataFrame, burn_in: int, horizon: int) -> dict[str, tupl
     return {r: (burn_in, warn_from(x, horizon, burn_in) if x.event else int(x.end)) for r, x in info.iterrows()}
 
 
-def _pairs(scores: np.ndarray, segments: dict[int, tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
+def step_pairs(scores: np.ndarray, segments: dict[int, tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, int]:
     """(lo, hi) of every masked step (an up-crossing over theta iff lo <= theta < hi) and the step count."""
     los, his, n = [], [], 0
     for i, (a, b) in segments.items():
@@ -261,25 +261,25 @@ def _pairs(scores: np.ndarray, segments: dict[int, tuple[int, int]]) -> tuple[np
 def count_alarms(scores: np.ndarray, threshold: float, segments: dict[int, tuple[int, int]]) -> tuple[int, int]:
     """Up-crossings of ``threshold`` and steps, over ``segments`` (row of ``scores`` (run, step) ->
     ``[a, b)``); the first step of a segment counts as an up-crossing when above."""
-    lo, hi, n = _pairs(scores, segments)
+    lo, hi, n = step_pairs(scores, segments)
     return int(np.count_nonzero((lo <= threshold) & (hi > threshold))), n
 
 
 def time_in_alarm(scores: np.ndarray, threshold: float, segments: dict[int, tuple[int, int]]) -> float:
     """Share of the steps of ``segments`` whose score exceeds ``threshold``: an alarm that stays on
     for long counts once in :func:`count_alarms`, and this says for how long."""
-    _, hi, n = _pairs(scores, segments)
+    _, hi, n = step_pairs(scores, segments)
     return float(np.count_nonzero(hi > threshold) / n) if n else np.nan
 
 
 def calibrate(scores: np.ndarray, segments: dict[int, tuple[int, int]], budget: float = 1.0) -> float:
     """The lowest threshold whose up-crossings over ``segments`` are at most ``budget`` per 1,000
     steps, at that threshold and every higher one (inf when the detector never scores)."""
-    return threshold_for(*_pairs(scores, segments), budget)
+    return threshold_for(*step_pairs(scores, segments), budget)
 
 
 def threshold_for(lo: np.ndarray, hi: np.ndarray, n: int, budget: float = 1.0) -> float:
-    """:func:`calibrate` from the step pairs of :func:`_pairs` (so that a resample of runs can
+    """:func:`calibrate` from the step pairs of :func:`step_pairs` (so that a resample of runs can
     concatenate the pairs of the runs it draws)."""
     seen = hi[np.isfinite(hi)]
     keep = lo < hi
