@@ -36,7 +36,10 @@ def test_learning_horizon_is_where_the_prefix_reached_80_percent_of_its_gain():
 def test_outcomes_are_read_against_the_control_at_the_same_env_step(treated, state, damage):
     res = O.paired_outcome(curve(treated), CONTROL, EVENT, H, floor=0.0)
     assert res["state"] == state and res["damage"] == pytest.approx(damage)
-    assert (res["recovery_time"] == 4000.0) if state == "recovered" else np.isnan(res["recovery_time"])
+    if state == "recovered":
+        assert res["recovery_time"] == 4000.0
+    else:
+        assert np.isnan(res["recovery_time"])
 
 
 def test_a_run_compared_with_its_own_past_would_hide_what_the_control_shows():
