@@ -121,6 +121,21 @@ class AdamCache:
         return ts[0] if self.verified else None
 
 
+def adam_setup(st: OptState, params: list[torch.Tensor]
+               ) -> tuple[AdamCache, list[tuple[float, float, float]], int | None] | None:
+    """The optimizer's :class:`AdamCache` (rebuilt when its groups changed), each group's
+    ``(beta1, beta2, eps)`` and the step count all groups share (None where they differ or count
+    on the device); None when the optimizer keeps no Adam state for ``params``."""
+    if st.adam is None or not st.adam.valid(st.opt):
+        st.adam = AdamCache(st.opt, params)
+    ad = st.adam
+    if not ad.ok:
+        return None
+    hps = [(as_float(g["betas"][0]), as_float(g["betas"][1]), as_float(g["eps"])) for g, _, _ in ad.groups]
+    same = all(h == hps[0] for h in hps)
+    return ad, hps, ad.common_count(st.opt) if same and not ad.device_steps else None
+
+
 def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor]) -> tuple[float, float] | None:
     """Write ||m||^2, sum(v) and #(v < eps^2 bc2) of the stepped parameters into the device
     fields ``dv`` (row views of the optimizer's block) and return the bias corrections
@@ -132,14 +147,9 @@ def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor])
     kernel (per-tensor reductions launch one per tensor). The count overwrites v there with
     1.0 / 0.0 and sums it (faster than a bool reduction).
     """
-    if st.adam is None or not st.adam.valid(st.opt):
-        st.adam = AdamCache(st.opt, params)
-    ad = st.adam
-    if not ad.ok:
+    if (setup := adam_setup(st, params)) is None:
         return None
-    hps = [(as_float(g["betas"][0]), as_float(g["betas"][1]), as_float(g["eps"])) for g, _, _ in ad.groups]
-    same = all(h == hps[0] for h in hps)
-    t = ad.common_count(st.opt) if same and not ad.device_steps else None
+    ad, hps, t = setup
     y = st.free_row()
     torch.cat(ad.flat_m(), out=y)
     if t is not None:

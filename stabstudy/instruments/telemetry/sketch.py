@@ -36,9 +36,9 @@ import math
 
 import torch
 
-from stabstudy.instruments.telemetry.adam import AdamCache, per_param
+from stabstudy.instruments.telemetry.adam import adam_setup, per_param
 from stabstudy.instruments.telemetry.channels import DevField
-from stabstudy.instruments.telemetry.state import OptState, as_float
+from stabstudy.instruments.telemetry.state import OptState
 
 #: Choices of ``Monitor(memory=...)``.
 MEMORY_MODES = ("exact", "sketch")
@@ -185,14 +185,9 @@ def adam_stats(st: OptState, sk: SketchState, stepped: list[torch.Tensor],
                dv: list[torch.Tensor]) -> tuple[float, float] | None:
     """Adam's sums as :func:`.adam.adam_stats` writes them, without a flat copy: per-tensor
     norms of m, L1 norms of v (= their sums), the count of v below the threshold in blocks."""
-    if st.adam is None or not st.adam.valid(st.opt):
-        st.adam = AdamCache(st.opt, stepped)
-    ad = st.adam
-    if not ad.ok:
+    if (setup := adam_setup(st, stepped)) is None:
         return None
-    hps = [(as_float(g["betas"][0]), as_float(g["betas"][1]), as_float(g["eps"])) for g, _, _ in ad.groups]
-    same = all(h == hps[0] for h in hps)
-    t = ad.common_count(st.opt) if same and not ad.device_steps else None
+    ad, hps, t = setup
     dtype = dv[DevField.M2].dtype
     m = torch.stack(torch._foreach_norm(ad.ms, 2, dtype=torch.float64))  # accumulated in float64
     v = torch.stack(torch._foreach_norm(ad.vs, 1, dtype=torch.float64))  # v >= 0: the L1 norm is the sum
