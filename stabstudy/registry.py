@@ -277,6 +277,11 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("lambda_max_iters", "Hessian-vector products used by one lambda_max", "1", _LM_TOY, "curvature"),
     Channel("lambda_max_resid", "how converged lambda_max is: relative residual ||Hx - lambda x|| / |lambda| of "
             "the Ritz pair (power iteration: relative change of its last step)", "1", _LM_TOY, "curvature"),
+    # the output layer (the slingshot's logit and last-layer norm growth, Thilak et al. 2022)
+    Channel("out_logit_max", "largest |output logit| on the training batch (toy: the network's output, also "
+            "under MSE)", "logit", _LM_TOY, "model"),
+    Channel("last_weight_norm", "Frobenius norm of the output layer's weight (before the update)", "param",
+            ("toy",), "model"),
     # toy and seq
     Channel("test_loss", "loss on held-out data", "loss", ("toy", "seq"), "learner"),
     Channel("train_acc", "training accuracy (digits)", "1", ("toy",), "learner"),
@@ -291,7 +296,6 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("ce_loss", "cross-entropy part of the loss", "nats/token", ("lm",), "learner"),
     Channel("z_loss", "z-loss part of the loss", "loss", ("lm",), "learner"),
     Channel("attn_logit_max", "largest attention logit", "logit", ("lm",), "model", per="layer"),
-    Channel("out_logit_max", "largest output logit", "logit", ("lm",), "model"),
     Channel("attn_entropy_min", "smallest attention entropy of a head", "nats", ("lm",), "model"),
     # precision (LM runs other than float32, with a loss scaler or a precision_switch)
     Channel("nonfinite_grads", "non-finite gradient entries", "1", ("lm",), "precision"),

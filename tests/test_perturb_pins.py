@@ -58,6 +58,13 @@ PINS = {
     "seq_rnn": ("b2a84ac9518718e2", "ad5ef82c2f0296c6"),
 }
 
+#: Arrays added after the pins above were recorded: name -> (their names, digest of them). The pins stay those
+#: of the arrays recorded before, so that an added channel cannot hide a change to an old one.
+ADDED = {
+    "toy_adam": (("out_logit_max", "last_weight_norm"), "238278b46abc39a0"),
+    "toy_sgd": (("out_logit_max", "last_weight_norm"), "0fbfde5ab5651cde"),
+}
+
 
 def digest(ds) -> str:
     """sha256 over every data variable and coordinate's float64 bytes (wall times left out), with the names."""
@@ -79,7 +86,10 @@ def test_runs_with_every_kind_are_bit_identical_to_their_pins(name, one_thread):
     spec = SPECS[name]
     ds = learner_for(spec.domain)(spec)
     assert ds.attrs["status"] == "ok" and ds.sizes["step"] == spec.steps
-    assert (spec.spec_hash, digest(ds)) == PINS[name]
+    added = list(ADDED.get(name, ((), ""))[0])
+    assert (spec.spec_hash, digest(ds.drop_vars(added))) == PINS[name]
+    if added:
+        assert digest(ds[added]) == ADDED[name][1]
 
 
 def test_the_digest_sees_one_flipped_bit(one_thread):

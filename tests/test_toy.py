@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import xarray as xr
 
 from stabstudy.analysis.studies import calibration as study
@@ -61,6 +62,44 @@ def test_channels_and_schema(learner):
     assert np.isfinite(ds.precond_sharpness.values[10]) == (learner == "adam")
     if learner == "gd":  # full batch: the loss decreases over a few small steps
         assert ds.loss.values[-1] < ds.loss.values[0]
+
+
+@pytest.mark.parametrize("learner, hp", [("gd", {"lr": 0.5}),
+                                         ("adam", {"lr": 0.01, "beta2": 0.95, "loss": "ce", "activation": "relu"})])
+def test_output_layer_channels_are_those_of_a_replay_with_torch_alone(learner, hp):
+    """At step t, out_logit_max is max |f(x)| of the forward pass of that step's loss and last_weight_norm the
+    Frobenius norm of the output weight that produced it (before the update): replayed here with torch's optimizer."""
+    steps, seed = 12, 3
+    ds = toy.run(spec(learner, steps=steps, seed=seed, **hp))
+    torch.manual_seed(seed)  # the learner's only torch draw before training is the init
+    data = toy.load_task("digits", SMALL["n_train"], SMALL["n_test"])
+    x, y, c = data["x_train"], data["y_train"], data["c_train"]
+    net = toy.MLP(64, 10, SMALL["width"], SMALL["depth"], hp.get("activation", "tanh"))
+    opt = (torch.optim.SGD(net.parameters(), lr=hp["lr"]) if learner == "gd"
+           else torch.optim.Adam(net.parameters(), lr=hp["lr"], betas=(0.9, hp["beta2"]), eps=1e-8))
+    rows = []
+    for _ in range(steps):
+        out = net(x)
+        loss = (0.5 * (out - y).pow(2).sum(1).mean() if learner == "gd"
+                else torch.nn.functional.cross_entropy(out, c))
+        rows.append((loss.item(), out.detach().abs().max().item(), net.layers[-1].weight.detach().norm().item()))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    loss, logit, norm = np.array(rows).T
+    np.testing.assert_allclose(ds.loss.values, loss, rtol=1e-6)  # the replay is the run
+    assert np.isfinite(ds.out_logit_max).all() and np.isfinite(ds.last_weight_norm).all()
+    np.testing.assert_allclose(ds.out_logit_max.values, logit, rtol=1e-6)
+    np.testing.assert_allclose(ds.last_weight_norm.values, norm, rtol=1e-6)
+    # the norm moves more per step than the tolerance: a norm read after the update would fail above
+    assert np.abs(np.diff(norm) / norm[1:]).min() > 1e-5
+
+
+def test_output_layer_channels_see_a_weight_perturbation_at_its_step():
+    base, pert = _delta("weight_noise", dose=0.5)
+    np.testing.assert_array_equal(base.last_weight_norm.values[:10], pert.last_weight_norm.values[:10])
+    np.testing.assert_array_equal(base.out_logit_max.values[:10], pert.out_logit_max.values[:10])
+    assert pert.last_weight_norm.values[10] > 1.05 * base.last_weight_norm.values[10]
 
 
 def test_synthetic_task_and_sgd_minibatch():

@@ -25,7 +25,9 @@ Hyperparameters (``spec.hparams``; fields and defaults in :class:`stabstudy.hpar
 ``data_seed``, ``outlier_scale``.
 
 Channels: the Monitor's (``grad_norm``, ``xgrad``, ``update_*``, ``adam_*``,
-``lr``; every ``spec.log_every`` steps), ``loss`` (unscaled, every step),
+``lr``; every ``spec.log_every`` steps), ``loss`` (unscaled), ``out_logit_max`` (largest |output| on the
+training batch, from the forward pass of the loss) and ``last_weight_norm`` (Frobenius norm of the output layer's
+weight before the update) every step,
 ``perf``, ``test_loss`` and (digits) ``train_acc`` every ``spec.eval_every``
 steps (default: 100 evaluations per run), ``perturbed``, and with
 ``spec.curvature_every`` the :data:`stabstudy.instruments.curvature.CURVATURE_CHANNELS`
@@ -63,7 +65,8 @@ from stabstudy.spec import RunSpec
 #: Bump when a change to this learner alters the results it stores: the runner then
 #: recomputes stored runs of other versions instead of reusing them.
 #: 2: lambda_max from the on-device Lanczos (another start vector: values move within its tolerance).
-RESULTS_VERSION = 2
+#: 3: out_logit_max and last_weight_norm every step (every other array bit for bit as in 2).
+RESULTS_VERSION = 3
 
 TASKS = DOMAINS["toy"].task_names
 
@@ -225,15 +228,19 @@ def run(spec: RunSpec) -> xr.Dataset:
             x, y, c = pert.on_batch(step, (x, y, c))
             # -- update --------------------------------------------------------------
             opt.zero_grad(set_to_none=True)
-            loss = objective(model(x), y, c, loss_kind)
+            out = model(x)
+            loss = objective(out, y, c, loss_kind)
             loss_val = float(loss.detach())
+            # read off this forward pass and the weights it used (before the update), as tensors: the
+            # Monitor copies them without a host sync on a GPU
+            row = {"loss": loss_val, "out_logit_max": out.detach().abs().max(),
+                   "last_weight_norm": torch.linalg.vector_norm(model.layers[-1].weight.detach())}
             pert.on_loss(step, loss).backward()
             pert.on_grads(step, params)
             if ctrl is not None:
                 ctrl.observe(loss_val, step=step)
             opt.step()
             done = step + 1
-            row = {"loss": loss_val}
             if step % eval_every == 0 or step == spec.steps - 1:
                 row.update(_evaluate(model, data, loss_kind, classification))
             mon.log(**row)
