@@ -42,7 +42,7 @@ DERIVED: dict[str, tuple[str, str, float]] = {
 KNOB_AWARE: tuple[str, ...] = ("lambda_max*lr/2",)
 #: Channels whose scale spans decades: used as log10 (a multiplicative change is one size everywhere).
 LOG_SCALE: tuple[str, ...] = ("grad_norm", "update_norm", "update_ratio", "update_norm/lr", "update_ratio/lr",
-                              "adam_m_norm", "adam_v_mean", "attn_logit_max", "out_logit_max")
+                              "adam_m_norm", "adam_v_mean", "attn_logit_max", "out_logit_max", "last_weight_norm")
 #: The language-model telemetry of the meta-state (knob-free; adam_eps_frac is constant in float32 runs).
 LM_CHANNELS: tuple[str, ...] = ("grad_norm", "xgrad", "update_norm/lr", "update_ratio/lr", "update_grad_cos",
                                 "adam_m_norm", "adam_v_mean", "attn_logit_max", "attn_entropy_min",

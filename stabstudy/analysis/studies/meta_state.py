@@ -83,9 +83,10 @@ def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[S
     return list(dict.fromkeys(specs))
 
 
-#: The toy learner's telemetry of the meta-state (knob-free; the toy MLP has no attention).
+#: The toy learner's telemetry of the meta-state (knob-free; the toy MLP has no attention), with the
+#: output layer's channels the slingshot is read from (logit and last-layer norm growth, Thilak et al. 2022).
 TOY_CHANNELS: tuple[str, ...] = ("grad_norm", "xgrad", "update_norm/lr", "update_ratio/lr", "update_grad_cos",
-                                 "adam_m_norm", "adam_v_mean")
+                                 "adam_m_norm", "adam_v_mean", "out_logit_max", "last_weight_norm")
 #: The name of the step-count baseline in the claims.
 STEP_COUNT = "step count (baseline)"
 
