@@ -139,7 +139,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("lr_spike", "optimization", _ALL, "factor multiplying the learning rate"),
-    Kind("lr_ramp", "optimization", ("toy", "lm"), "final learning-rate factor: it climbs geometrically from 1 "
+    Kind("lr_ramp", "optimization", ("toy", "lm", "rl"), "final learning-rate factor: it climbs geometrically from 1 "
          "over the window, reaches dose at its last step and stays there until the run ends"),
     Kind("beta2_shift", "optimization", ("toy", "lm"), "new Adam beta2 while active"),
     Kind("grad_noise", "optimization", ("toy", "lm"), "Gaussian noise std relative to the gradient RMS"),

@@ -81,6 +81,29 @@ def test_lr_spike_applies_only_inside_window(algo):
     np.testing.assert_array_equal(ds.perturbed.values[1:], ((env >= start) & (env < start + dur))[1:].astype(float))
 
 
+@pytest.mark.parametrize("algo", ["sac", "ppo"])
+def test_lr_ramp_climbs_over_its_window_and_stays(algo):
+    """The applied lr of every update is the base times the ramp's factor at that update's env step:
+    1 before the window, climbing geometrically inside it, the dose after it (to the run's end)."""
+    start, dur, dose = (64, 128, 10.0)
+    ds = rl.run(spec(algo, perts=(Perturbation("lr_ramp", start, dur, dose),), lr=1e-3))
+    env, upd = ds.env_step.values, ds.step.values > 0
+    want = np.where(env >= start, dose ** (np.minimum(env - start + 1, dur) / dur), 1.0)
+    for c in ("lr", "lr_actor", "lr_critic"):
+        if c in ds:
+            v = ds[c].values
+            ok = upd & np.isfinite(v)
+            np.testing.assert_allclose(v[ok], 1e-3 * want[ok], rtol=1e-12, err_msg=c)
+    lr = ds.lr.values
+    assert (lr[upd & (env < start) & np.isfinite(lr)] == 1e-3).all()
+    inside = upd & (env >= start) & (env < start + dur) & np.isfinite(lr)
+    assert len(np.unique(lr[inside])) >= 2  # it climbs, not one step (PPO: the window holds two rollout ends)
+    np.testing.assert_allclose(lr[upd & (env >= start + dur) & np.isfinite(lr)], 1e-3 * dose)
+    if algo == "sac":  # the entropy coefficient's optimizer is left out, as under a spike
+        np.testing.assert_array_equal(ds.lr_ent_coef.values[np.isfinite(ds.lr_ent_coef.values)], 1e-3)
+    np.testing.assert_array_equal(ds.perturbed.values[1:], ((env >= start) & (env < start + dur))[1:].astype(float))
+
+
 def test_lr_spike_changes_the_trajectory_only_after_the_window_starts():
     base = rl.run(spec("sac", steps=200))
     spiked = rl.run(spec("sac", steps=200, perts=(Perturbation("lr_spike", 150, 20, 100.0),)))

@@ -65,7 +65,8 @@ def fork_grid(algos: Sequence[str], treatments: Sequence[tuple[str, float]], see
     control of every perturbed fork of the same seed). Every perturbation starts
     ``lead[algo]`` env steps after the fork (room for the pre-perturbation evaluations);
     an lr spike lasts :func:`spike_env_steps` of ``spike_updates``, an env-side perturbation
-    ``env_duration`` env steps; every fork of an algorithm then runs ``post[algo]`` env steps
+    ``env_duration`` env steps, and so does the climb of an ``lr_ramp`` (which then stays at its
+    dose to the fork's end); every fork of an algorithm then runs ``post[algo]`` env steps
     beyond the longer of the two (one horizon for treated and control runs).
     ``noise_after_fork``: the learner's own noise knob from the fork on (left out where it
     equals the prefix's, so those forks are the main grid's).

@@ -12,7 +12,7 @@ composed with SB3's ``CallbackList``, in any order::
     ds = rec.to_dataset()
 
 * :class:`TelemetryCallback`: the :class:`~stabstudy.instruments.telemetry.Monitor` on every SB3 optimizer;
-* :class:`PerturbationCallback`: the schedule's ``lr_spike`` through optimizer hooks,
+* :class:`PerturbationCallback`: the schedule's ``lr_spike`` and ``lr_ramp`` through optimizer hooks,
   ``weight_noise`` / ``reinit_layer`` at their env step;
 * :class:`EvaluationCallback`: deterministic evaluation every N env steps on its own seeded env (``perf``);
 * :class:`DiagnosticsCallback`: per-``train()`` diagnostics (``entropy``, ``approx_kl``, ``q_mean``, ...);
@@ -73,6 +73,10 @@ Perturbations
   optimizer is left out unless ``spike_ent_coef`` (so the dose is the same across
   algorithms: the networks' optimizers only; before, it was spiked too, and stored SAC lr-spike
   runs of that rule are recomputed: :func:`stabstudy.learners.rl.learner.stale`).
+* ``lr_ramp``: the same hooks with the ramp's factor at the env step of each optimizer step: it
+  climbs geometrically from 1 to ``dose`` over the window and stays at ``dose`` after it (a
+  disturbance that does not go away; ``perturbed`` marks the climb). PPO's factor is the one at its
+  rollout end, so its window must contain rollout ends to climb in more than one step.
 * ``weight_noise``: once, at the first env step >= ``start``: Gaussian noise of
   relative std ``dose`` on every policy parameter
   (:func:`stabstudy.interventions.perturb.add_weight_noise`).
@@ -112,6 +116,8 @@ from stabstudy.interventions.perturb import Perturbation, Schedule, add_weight_n
 from stabstudy.learners.rl.envs import ENV_KINDS, env_wrapper
 from stabstudy.learners.rl.recorder import PARAMETRIC_KINDS, Recorder, exploding, optimizers_of
 
+#: Kinds that act through the learning rate (:meth:`~stabstudy.interventions.perturb.Schedule.lr_factor`).
+LR_KINDS = ("lr_spike", "lr_ramp")
 #: Default seed of an :class:`EvaluationCallback`'s first episode (the learner adds the run's seed).
 EVAL_SEED_OFFSET = 10_000
 
@@ -216,8 +222,8 @@ class TelemetryCallback(RecorderCallback):
 
 
 class PerturbationCallback(RecorderCallback):
-    """Applies a perturbation schedule (timed in env steps): ``lr_spike`` through optimizer
-    step hooks, ``weight_noise`` / ``reinit_layer`` once at their start. Env-side kinds
+    """Applies a perturbation schedule (timed in env steps): ``lr_spike`` and ``lr_ramp`` through
+    optimizer step hooks, ``weight_noise`` / ``reinit_layer`` once at their start. Env-side kinds
     need the wrapper of :func:`stabstudy.learners.rl.envs.make_env` (warned when absent).
 
     Args:
@@ -254,7 +260,7 @@ class PerturbationCallback(RecorderCallback):
                           "through the wrapper of stabstudy.learners.rl.make_env, which this training env lacks",
                           stacklevel=2)
         # at init, before any callback starts: see TelemetryCallback._on_training_start
-        if not self._handles and any(p.kind == "lr_spike" for p in self.schedule.perturbations):
+        if not self._handles and any(p.kind in LR_KINDS for p in self.schedule.perturbations):
             every = optimizers_of(self.model)
             self._opts = {k: o for k, o in every.items() if k != "ent_coef" or self.spike_ent_coef}
             # hooked on every optimizer, spiked or not: SAC's entropy optimizer steps first in a round,
