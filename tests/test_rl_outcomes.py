@@ -100,15 +100,112 @@ def test_forks_of_one_prefix_do_not_count_as_independent():
     assert est == pytest.approx(-667.67, abs=0.01) and (hi - lo) > 1.5 * (naive[2] - naive[1])
 
 
-def test_prefix_critical_doses_and_their_comparison():
-    def prefix(learner, name, collapses_from):
-        return [{"learner": learner, "prefix": name, "pert_dose": d, "collapsed_prefix": float(d >= collapses_from)}
-                for d in (3.0, 10.0, 30.0, 100.0)]
-    rows = pd.DataFrame(prefix("ppo", "p0", 30.0) + prefix("ppo", "p1", np.inf) + prefix("ppo", "p2", 3.0))
-    crit = O.prefix_critical_doses(rows).set_index("prefix")
-    assert crit.loc["p0", "where"] == "bracketed" and crit.loc["p0", "dose"] == pytest.approx(np.sqrt(300.0))
-    assert crit.loc["p1", "dose"] == np.inf and crit.loc["p1", "where"] == "above the grid"
-    assert crit.loc["p2", "where"] == "below the grid" and crit.loc["p2", "dose"] == 3.0
+GRID = (3.0, 10.0, 30.0, 100.0)
+
+
+def _dose_rows(learner, name, collapses_from, doses=GRID, forks=1):
+    """by_prefix-style rows of one prefix that collapses at every dose from ``collapses_from`` on."""
+    return [{"learner": learner, "pert_kind": "lr_spike", "prefix": name, "pert_dose": d,
+             "collapsed_prefix": float(d >= collapses_from)} for d in doses for _ in range(forks)]
+
+
+def test_each_prefix_is_bracketed_and_censored_honestly():
+    rows = pd.DataFrame(_dose_rows("ppo", "p0", 30.0) + _dose_rows("ppo", "p1", np.inf) + _dose_rows("ppo", "p2", 3.0)
+                        + [{"learner": "ppo", "pert_kind": "lr_spike", "prefix": "p3", "pert_dose": d,
+                            "collapsed_prefix": c} for d, c in zip(GRID, (0.0, 1.0, 0.0, 1.0), strict=True)]
+                        + [{"learner": "ppo", "pert_kind": "lr_spike", "prefix": "p4", "pert_dose": 10.0,
+                            "collapsed_prefix": np.nan}])
+    crit = O.prefix_critical_doses(rows, base_lrs={"ppo": 3e-4}).set_index("prefix")
+    assert crit.loc["p0", "where"] == "bracketed" and (crit.loc["p0", "low"], crit.loc["p0", "high"]) == (10.0, 30.0)
+    assert crit.loc["p0", "dose"] == pytest.approx(np.sqrt(300.0)) and crit.loc["p0", "lr"] == pytest.approx(3e-4 * np.sqrt(300))
+    assert crit.loc["p1", "where"] == "above the grid" and crit.loc["p1", "dose"] == np.inf and crit.loc["p1", "low"] == 100
+    # collapsed at the smallest dose: bracketed by the control (factor 1 never collapses against itself)
+    assert crit.loc["p2", "where"] == "below the grid" and crit.loc["p2", "low"] == 1.0
+    assert crit.loc["p2", "dose"] == pytest.approx(np.sqrt(3.0))
+    assert not crit.loc["p3", "monotone"] and crit.loc["p3", "high"] == 10.0 and crit.loc["p0", "monotone"]
+    assert crit.loc["p4", "where"] == "no data" and np.isnan(crit.loc["p4", "dose"])
+
+
+def test_bisection_proposes_geometric_midpoints_inside_each_bracket_only():
+    rows = pd.DataFrame(_dose_rows("sac", "s0", 30.0) + _dose_rows("sac", "s1", np.inf) + _dose_rows("ppo", "p0", 3.0))
+    one = O.bisection_doses(rows)
+    assert list(one.columns) == ["learner", "prefix", "dose", "low", "high", "where"]
+    assert dict(zip(one.prefix, one.dose, strict=True)) == {"s0": 17.3, "p0": 1.73}  # s1 is above the grid: none
+    two = O.bisection_doses(rows, points=2)
+    assert list(two[two.prefix == "s0"].dose) == [14.4, 20.8]
+    # the second round bisects the bracket the first one left: s0 collapsed at 17.3 -> (10, 17.3]
+    after = pd.concat([rows, pd.DataFrame(_dose_rows("sac", "s0", 17.3, doses=(17.3,)))])
+    nxt = O.bisection_doses(after)
+    assert nxt[nxt.prefix == "s0"].dose.tolist() == [13.2]
+    crit = O.prefix_critical_doses(after).set_index("prefix")
+    assert (crit.loc["s0", "low"], crit.loc["s0", "high"]) == (10.0, 17.3)
+    assert O.bisection_doses(rows.iloc[:0]).empty
+
+
+def test_the_critical_dose_also_as_the_policy_change_it_caused():
+    rows = pd.DataFrame(_dose_rows("sac", "s0", 30.0) + _dose_rows("sac", "s1", 3.0))
+    changes = pd.DataFrame([{"learner": "sac", "prefix": p, "pert_kind": k, "pert_dose": d, "update_path": v}
+                            for p, k, d, v in [("s0", "lr_spike", 10.0, 4.0), ("s0", "lr_spike", 10.0, 6.0),
+                                               ("s0", "lr_spike", 30.0, 20.0), ("s1", "none", 1.0, 0.5),
+                                               ("s1", "lr_spike", 3.0, 2.0)]])
+    crit = O.prefix_critical_doses(rows, changes=changes).set_index("prefix")
+    assert (crit.loc["s0", "change_low"], crit.loc["s0", "change_high"]) == (5.0, 20.0)  # mean over its forks
+    assert crit.loc["s0", "change_at_dose"] == pytest.approx(10.0)
+    assert crit.loc["s1", "change_low"] == 0.5 and crit.loc["s1", "change_at_dose"] == pytest.approx(1.0)  # the control's
+
+
+def _arms(ppo_from, sac_from, td3_from):
+    rows = []
+    for a, starts in (("ppo", ppo_from), ("sac", sac_from), ("td3", td3_from)):
+        for i, c in enumerate(starts):
+            rows += _dose_rows(a, f"{a}{i}", c)
+    return O.prefix_critical_doses(pd.DataFrame(rows))
+
+
+@pytest.mark.parametrize(("arms", "joint"), [
+    (([3, 10, 10, 10, 30, 10], [100, np.inf, np.inf, 30, 100, np.inf], [np.inf, 100, 100, np.inf, 30, 100]), "supported"),
+    (([3, 10, 10, 10, 30, 10], [100, np.inf, np.inf, 30, 100, np.inf], [3, 10, 10, 30, 10, 3]), "inconclusive"),
+    (([np.inf, 100, np.inf, 100, 100, 30], [3, 10, 3, 10, 10, 3], [3, 10, 10, 3, 3, 10]), "not supported"),
+])
+def test_the_critical_dose_claim_is_decided_over_prefixes(arms, joint):
+    rows = O.critical_dose_claims(_arms(*arms), sims=100)
+    assert rows[-1].verdict == joint and len(rows) == 3
+    assert all("power" in r.reason for r in rows[:2]) and all(r.n == 12 for r in rows[:2])
+    if joint == "supported":
+        assert "least favourable" in rows[0].reason and rows[1].effect == pytest.approx(np.log10(np.sqrt(30) / np.sqrt(3000)))
+
+
+def test_the_critical_dose_claim_without_enough_prefixes_says_why():
+    crit = _arms([3, 10, 10], [100, np.inf, np.inf], [np.inf, 100, 100])
+    rows = O.critical_dose_claims(crit, sims=50)
+    # 3 vs 3 completely separated: p = 1/20 = 0.05, never below 0.025 (alpha split over two comparisons)
+    assert rows[0].verdict == "inconclusive" and "smallest attainable p is 0.05" in rows[0].reason
+    assert "power 0.00" in rows[0].reason
+    assert O.critical_dose_claims(crit[crit.learner != "sac"], sims=10)[0].verdict == "not tested"
+    assert O.critical_dose_claims(_arms([3, 10], [100, 100], [100, 100]), sims=10)[0].verdict == "inconclusive"
+    spiked = O.critical_dose_claims(_arms([3] * 6, [np.inf] * 6, [np.inf] * 6), spiked={"ppo": 40, "sac": 0, "td3": 40},
+                                    sims=10)
+    assert spiked[0].verdict == "not tested" and "no update of SAC" in spiked[0].reason
+    assert spiked[1].verdict == "supported"
+    with pytest.raises(ValueError, match="dose, lr, change_at_dose"):
+        O.critical_dose_claims(crit, value="kl")
+    with pytest.raises(ValueError, match="base_lrs"):
+        O.critical_dose_claims(crit, value="lr")
+
+
+def test_forks_of_one_prefix_give_one_critical_dose():
+    # two forks of each prefix (e.g. two continuation seeds) at every dose: still one value per prefix
+    forks = pd.DataFrame([{**r, "collapsed": r.pop("collapsed_prefix")} for r in
+                          _dose_rows("ppo", "p0", 10.0, forks=2) + _dose_rows("sac", "s0", np.inf, forks=2)])
+    crit = O.prefix_critical_doses(O.by_prefix(forks))
+    assert crit.groupby("learner").size().to_dict() == {"ppo": 1, "sac": 1}
+    rows = O.critical_dose_claims(crit, off_policy=("sac",), sims=10)
+    assert rows[0].n == 2 and rows[0].verdict == "inconclusive"  # 1 vs 1 prefix, not 8 vs 8 forks
+
+
+def test_the_rank_test_ranks_above_the_grid_last_and_is_exact_for_few_prefixes():
+    assert O.rank_test_p([3.0, 5.5, 17.3], [np.inf, np.inf, 54.8], "less") == pytest.approx(1 / 20)
+    assert O.rank_test_p([np.inf] * 3, [np.inf] * 3, "less") == 1.0
     low, high = [3.0, 5.5, 17.3, 17.3], [54.8, np.inf, np.inf, 54.8]
     assert O.critical_dose_claim("lower", "our own", low, high).verdict == "supported"
     assert O.critical_dose_claim("lower", "our own", high, low).verdict == "not supported"
@@ -123,15 +220,40 @@ def _run(env_steps, **channels):
 
 def test_a_spike_that_no_update_fell_into_is_not_tested_and_one_that_did_stays():
     claim = C.rate_comparison("collapses", "source paper", 3, 3, 0, 3)
-    before_learning = _run([2000, 2000, 10_001, 10_002], update_norm=[np.nan, np.nan, 1, 1])  # learning_starts 10k
+    # learning_starts 10k: the spike window [2000, 2256) holds no update, so no applied lr changed
+    before_learning = _run([2000, 2000, 10_001, 10_002], lr=[np.nan, np.nan, 1e-3, 1e-3])
     n = O.spiked_updates(before_learning, 2000, 256)
     assert n["updates"] == 0
     out = O.checked(claim, n["updates"] > 0, "no gradient update in the spike window")
     assert out.verdict == "not tested" and "manipulation check failed" in out.reason
-    trained = _run([1900, 2000, 2001, 2002, 2300], update_norm=[1, 1, 1, 1, 1], update_norm_actor=[1, np.nan, 1, np.nan, 1])
+    # TD3: the critic every row, the delayed actor every other one; the Monitor measured update_norm
+    # only every 5th update (monitor_every), the applied lr on every update
+    env = [1900, 2000, 2001, 2002, 2003, 2004, 2300]
+    lr, spiked = 1e-3, 1e-2
+    trained = _run(env, lr=[lr, spiked, spiked, spiked, spiked, spiked, lr],
+                   lr_critic=[lr, spiked, spiked, spiked, spiked, spiked, lr],
+                   lr_actor=[lr, np.nan, spiked, np.nan, spiked, np.nan, lr],
+                   update_norm=[1, np.nan, np.nan, np.nan, np.nan, 1, 1],
+                   update_norm_actor=[1, np.nan, np.nan, np.nan, 1, np.nan, 1])
     n = O.spiked_updates(trained, 2000, 256)
-    assert n == {"updates": 3, "actor_updates": 1}
+    assert n == {"updates": 5, "critic_updates": 5, "actor_updates": 2}
     assert O.checked(claim, n["updates"] > 0, "") is claim
+    # SAC with its entropy coefficient left out of the spike: its updates were not reached
+    sac = _run(env[:3], lr=[lr, spiked, spiked], lr_ent_coef=[lr, lr, lr])
+    assert O.spiked_updates(sac, 2000, 256) == {"updates": 2, "ent_coef_updates": 0}
+    assert O.spiked_updates(_run(env[:3], loss=[1, 1, 1]), 2000, 256) == {"updates": 2}  # no Monitor: rows
+
+
+def test_the_policy_change_of_a_spike_window_is_measured_per_update_and_over_the_window():
+    env = [1900, 2000, 2001, 2002, 2003, 2300]
+    run = _run(env, lr_actor=[1, np.nan, 1, np.nan, 1, 1], update_norm_actor=[9, np.nan, 2.0, np.nan, 4.0, 9],
+               update_ratio_actor=[9, np.nan, 0.1, np.nan, 0.3, 9], update_norm=[9, 1, 1, 1, 1, 9])
+    ch = O.spike_policy_change(run, 2000, 256)
+    assert ch["policy_updates"] == 2 and ch["update_norm"] == 3.0 and ch["update_path"] == 6.0
+    assert ch["relative_path"] == pytest.approx(0.4) and np.isnan(ch["kl"])  # the actor's, not the critic's
+    ppo = O.spike_policy_change(_run(env, lr=[1] * 6, update_norm=[1] * 6, approx_kl=[0, np.nan, 0.02, np.nan, 0.04, 0]),
+                                2000, 256)
+    assert ppo["policy_updates"] == 4 and ppo["kl"] == pytest.approx(0.03) and np.isnan(ppo["relative_path"])
 
 
 def test_a_knob_that_did_not_change_the_policys_noise_is_caught():

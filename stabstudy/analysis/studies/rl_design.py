@@ -8,6 +8,12 @@ probability of that, for planning rates, by simulation (``scipy.stats.boschloo_e
 simulated table) or exactly (every outcome enumerated, weighted by its binomial probability;
 the number simulation converges to). :func:`prefixes_for_power` is the smallest number of
 prefixes per arm that reaches a target power.
+
+Claim (b), "PPO's critical dose is lower", is a rank test over prefixes of each prefix's critical
+dose as the design measures it: the grid :data:`DOSE_GRID`, bisected at geometric midpoints
+(:func:`geometric_points`, :func:`measured_critical_dose`); :func:`critical_dose_power` simulates it,
+:func:`smallest_p` says when no outcome could decide. Claim (c) counts prefixes whose critical dose (or
+collapse) moved up or down with the noise knob: :func:`sign_test_power`.
 """
 
 from __future__ import annotations
@@ -100,3 +106,88 @@ def power_table(rates: Sequence[tuple[float, float]], ns: Sequence[int], n_contr
     rows = [{"p_treated": pt, "p_control": pc, "prefixes": n,
              "power": boschloo_power(pt, [pc] * n_controls, n, alpha=alpha)} for pt, pc in rates for n in ns]
     return pd.DataFrame(rows)
+
+
+# -- claim (b): the critical dose of each prefix, bracketed by bisection ---------------------
+
+#: The lr-spike factors every prefix is forked at before bisection (the control is factor 1).
+DOSE_GRID = (3.0, 10.0, 30.0, 100.0)
+
+
+def geometric_points(low: float, high: float, points: int = 1) -> list[float]:
+    """The ``points`` doses that split ``[low, high]`` into ``points + 1`` equal steps of log dose,
+    rounded to 3 significant digits (so a dose reads as it is stored, and the same bracket always gives
+    the same dose): ``points=1`` is the geometric midpoint ``sqrt(low * high)``."""
+    if not (0 < low < high < np.inf):
+        raise ValueError(f"a bracket needs 0 < low < high < inf, got [{low}, {high}]")
+    if points < 1:
+        raise ValueError(f"points must be at least 1, got {points}")
+    return [float(f"{low * (high / low) ** (i / (points + 1)):.3g}") for i in range(1, int(points) + 1)]
+
+
+def measured_critical_dose(true: Sequence[float], grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
+                           control_dose: float = 1.0) -> np.ndarray:
+    """What the design measures for prefixes whose true critical doses are ``true`` (a prefix collapses
+    at every dose at or above its own): the bracket of ``grid`` (the control at ``control_dose``
+    never collapses against itself), narrowed by ``bisections`` sequential geometric midpoints
+    (:func:`geometric_points`), reported as the bracket's geometric midpoint; ``inf`` above the grid."""
+    g = np.sort(np.asarray(grid, dtype=float))
+    out = np.empty(len(true))
+    for i, x in enumerate(np.asarray(true, dtype=float)):
+        if x > g[-1]:
+            out[i] = np.inf
+            continue
+        below = g[g < x]
+        lo, hi = (float(below[-1]) if below.size else float(control_dose)), float(g[g >= x][0])
+        for _ in range(int(bisections)):
+            mid = geometric_points(lo, hi)[0]
+            if not lo < mid < hi:  # a bracket too narrow for 3 digits
+                break
+            lo, hi = (lo, mid) if mid >= x else (mid, hi)
+        out[i] = np.sqrt(lo * hi)
+    return out
+
+
+def smallest_p(n1: int, n2: int) -> float:
+    """The smallest one-sided p-value a rank test of ``n1`` against ``n2`` values can give (the two
+    samples completely separated, no ties): ``1 / C(n1 + n2, n1)``."""
+    from math import comb
+
+    return 1.0 / comb(int(n1) + int(n2), int(n1)) if n1 and n2 else 1.0
+
+
+def critical_dose_power(n_lower: int, n_higher: int, *, medians: tuple[float, float] = (5.0, 50.0),
+                        sd: float = 0.4, grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
+                        alpha: float = 0.05, sims: int = 400, seed: int = 0) -> float:
+    """Power of claim (b)'s one-sided Mann-Whitney test "the lower arm's critical doses are lower",
+    by simulation: each prefix's true critical dose is log-normal (``medians`` of the two arms,
+    ``sd`` in decades), measured as the design measures it (:func:`measured_critical_dose`: the grid,
+    ``bisections`` midpoints, ``inf`` above the grid), then tested. Each simulated test uses the
+    tie-corrected normal approximation (the claim itself uses the exact permutation test where it
+    can, :func:`stabstudy.analysis.studies.rl_outcomes.critical_dose_claim`); the power is 0 when even
+    complete separation cannot reach ``alpha`` (:func:`smallest_p`). Monte Carlo standard error at
+    most ``0.5 / sqrt(sims)``."""
+    if min(n_lower, n_higher) < 1:
+        return 0.0
+    if smallest_p(n_lower, n_higher) >= alpha:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(int(sims)):
+        a = measured_critical_dose(10 ** rng.normal(np.log10(medians[0]), sd, n_lower), grid, bisections)
+        b = measured_critical_dose(10 ** rng.normal(np.log10(medians[1]), sd, n_higher), grid, bisections)
+        if np.all(np.concatenate([a, b]) == a[0]):
+            continue
+        hits += sps.mannwhitneyu(a, b, alternative="less", method="asymptotic").pvalue < alpha
+    return hits / int(sims)
+
+
+def sign_test_power(n: int, p_up: float, alpha: float = 0.05) -> float:
+    """Exact power of the one-sided sign test "more prefixes move up than down" (``binomtest``, p 0.5)
+    over ``n`` prefixes whose change is resolved, each up with probability ``p_up``."""
+    if n < 1:
+        return 0.0
+    if not 0.0 <= p_up <= 1.0:
+        raise ValueError(f"p_up must lie in [0, 1], got {p_up}")
+    ks = [k for k in range(n + 1) if sps.binomtest(k, n, 0.5, alternative="greater").pvalue < alpha]
+    return float(sum(sps.binom.pmf(k, n, p_up) for k in ks))

@@ -10,11 +10,16 @@ horizon the algorithm's own learning curve sets, with the independent prefix as 
 * :func:`paired_table`: :func:`paired_outcome` for every perturbed fork of a
   :func:`~stabstudy.analysis.studies.rl_comparison.summarize` table.
 * The prefix as the unit: :func:`by_prefix` (one row per prefix: the mean over its forks),
-  :func:`prefix_bootstrap` (an interval that resamples prefixes, not forks),
-  :func:`design_effect`, :func:`prefix_critical_doses` (each prefix's own bracketed critical dose)
-  and :func:`critical_dose_claim` (a one-sided Mann-Whitney test over prefixes).
-* Manipulation checks (:func:`spiked_updates`, :func:`knob_changed`, :func:`checked`): a perturbation
-  that changed nothing makes its claim ``not tested``, with the reason.
+  :func:`prefix_bootstrap` (an interval that resamples prefixes, not forks), :func:`design_effect`.
+* Claim (a), "PPO collapses at a dose where SAC and TD3 do not": :func:`collapse_at_dose_claims`.
+* Claim (b), "PPO's critical dose is lower": :func:`dose_brackets` (each prefix's interval-censored
+  bracket from its grid forks), :func:`bisection_doses` (the next forks inside it),
+  :func:`prefix_critical_doses` (the bracket's geometric midpoint, also as an absolute learning rate,
+  :func:`base_lr`, and as the policy change it caused, :func:`policy_change_table`),
+  :func:`critical_dose_claims` (one-sided Mann-Whitney tests over prefixes, :func:`critical_dose_claim`,
+  with their power).
+* Manipulation checks (:func:`spiked_updates`, :func:`spike_policy_change`, :func:`knob_changed`,
+  :func:`checked`): a perturbation that changed nothing makes its claim ``not tested``, with the reason.
 """
 
 from __future__ import annotations
@@ -235,80 +240,372 @@ def design_effect(values: Sequence[float], prefixes: Sequence[Any]) -> tuple[flo
     return float(icc), float(1 + (n / k - 1) * icc)
 
 
-def prefix_critical_doses(prefix_rows, dose_col: str = "pert_dose"):
-    """Each prefix's own critical dose from :func:`by_prefix` rows of one kind (``collapsed_prefix``
-    per dose; the control is dose 0 or 1, below every tested dose): the geometric mean of the
-    largest dose it survived below the smallest dose it collapsed at and that dose (``where``
-    "bracketed", with ``low``/``high``), ``inf`` "above the grid" when it collapsed at no dose,
-    the smallest dose "below the grid" when it collapsed already there. One row per learner and prefix."""
+# -- claim (b): each prefix's own critical dose ---------------------------------------------
+
+#: The lr factor of the control fork: a fork at factor 1 is its own control, so it never collapses against it,
+#: and a prefix that collapses at the smallest tested dose is bracketed between this and that dose.
+CONTROL_DOSE = 1.0
+
+
+def _of_kind(rows, kind: str | None, dose_col: str):
+    if kind is not None and "pert_kind" in rows:
+        rows = rows[rows.pert_kind == kind]
+    return rows[np.isfinite(rows["collapsed_prefix"].to_numpy(float)) & (rows[dose_col].to_numpy(float) > 0)]
+
+
+def dose_brackets(per_prefix, *, kind: str | None = "lr_spike", dose_col: str = "pert_dose",
+                  control_dose: float = CONTROL_DOSE):
+    """Each prefix's bracket of its critical dose from its prefix-level outcomes at the doses it was
+    forked at (:func:`by_prefix` rows: ``collapsed_prefix`` per ``learner``, ``prefix`` and dose; rows
+    of other kinds than ``kind`` and without a verdict are left out). One row per learner and prefix:
+
+    * ``high``: the smallest dose it collapsed at; ``low``: the largest dose it survived below that
+      (interval-censored: its critical dose lies in ``(low, high]``);
+    * ``where``: ``"bracketed"``; ``"below the grid"`` when it collapsed already at the smallest
+      tested dose (``low`` is then ``control_dose``: the control cannot collapse against itself, so
+      the bracket is still finite and can be bisected); ``"above the grid"`` when it collapsed at no
+      dose (right-censored: ``low`` the largest tested dose, ``high`` inf); ``"no data"``;
+    * ``monotone``: False when it survived a dose above one it collapsed at (the bracket is then the
+      first collapse's; the forks of that prefix disagree with a threshold);
+    * ``doses``: tested doses with a verdict.
+    """
     import pandas as pd
 
     rows = []
-    for (a, pre), g in prefix_rows.groupby(["learner", "prefix"], sort=True):
-        g = g[np.isfinite(g["collapsed_prefix"].to_numpy(float))].sort_values(dose_col)
+    for (a, pre), g in per_prefix.groupby(["learner", "prefix"], sort=True):
+        g = _of_kind(g, kind, dose_col).sort_values(dose_col)
         d, c = g[dose_col].to_numpy(float), g["collapsed_prefix"].to_numpy(float)
-        row = {"learner": a, "prefix": pre, "doses": int(d.size)}
-        if not d.size:
-            rows.append({**row, "dose": np.nan, "low": np.nan, "high": np.nan, "where": "no data"})
-            continue
+        row = {"learner": a, "prefix": pre, "doses": int(d.size), "monotone": True}
         hit = np.flatnonzero(c == 1)
-        if not hit.size:
-            rows.append({**row, "dose": np.inf, "low": float(d.max()), "high": np.inf, "where": "above the grid"})
-        elif hit[0] == 0:
-            rows.append({**row, "dose": float(d[0]), "low": 0.0, "high": float(d[0]), "where": "below the grid"})
+        if not d.size:
+            row.update(low=np.nan, high=np.nan, where="no data")
+        elif not hit.size:
+            row.update(low=float(d.max()), high=np.inf, where="above the grid")
         else:
-            lo, hi = float(d[hit[0] - 1]), float(d[hit[0]])
-            rows.append({**row, "dose": float(np.sqrt(lo * hi)), "low": lo, "high": hi, "where": "bracketed"})
-    return pd.DataFrame(rows)
+            first = hit[0]
+            row.update(low=float(d[first - 1]) if first else float(control_dose), high=float(d[first]),
+                       where="bracketed" if first else "below the grid", monotone=bool((c[first:] == 1).all()))
+        rows.append(row)
+    return pd.DataFrame(rows, columns=["learner", "prefix", "doses", "low", "high", "where", "monotone"])
+
+
+def bisection_doses(per_prefix, *, points: int = 1, kind: str | None = "lr_spike", dose_col: str = "pert_dose",
+                    control_dose: float = CONTROL_DOSE):
+    """The next doses to fork each prefix at, inside its bracket (:func:`dose_brackets`), as a tidy
+    table ``(learner, prefix, dose, low, high, where)``: the ``points`` doses that split the bracket
+    into equal steps of log dose (:func:`stabstudy.analysis.studies.rl_design.geometric_points`,
+    3 significant digits).
+
+    Two ways to spend two bisection forks per prefix (the notebook chooses): ``points=2`` once (both
+    forks in one round; the bracket shrinks to ``(high / low) ** (1 / 3)``, 1.49 for the grid's 10/3)
+    or ``points=1`` twice (two rounds, the second on the outcomes of the first: ``(high / low) **
+    (1 / 4)``, 1.35). Prefixes above the grid get none (right-censored: no upper end to bisect
+    towards; they rank above every bracketed prefix in :func:`critical_dose_claim`), nor those
+    without data; one below the grid is bisected between the control and its smallest dose. A
+    dose the prefix was already forked at is not proposed again."""
+    import pandas as pd
+
+    from stabstudy.analysis.studies.rl_design import geometric_points
+
+    tested = {(a, p): set(g[dose_col].to_numpy(float)) for (a, p), g in _of_kind(per_prefix, kind, dose_col)
+              .groupby(["learner", "prefix"])} if len(per_prefix) else {}
+    rows = []
+    for r in dose_brackets(per_prefix, kind=kind, dose_col=dose_col, control_dose=control_dose).itertuples():
+        if r.where not in ("bracketed", "below the grid"):
+            continue
+        for d in geometric_points(r.low, r.high, points):
+            if r.low < d < r.high and d not in tested.get((r.learner, r.prefix), ()):
+                rows.append({"learner": r.learner, "prefix": r.prefix, "dose": d, "low": r.low, "high": r.high,
+                             "where": r.where})
+    return pd.DataFrame(rows, columns=["learner", "prefix", "dose", "low", "high", "where"])
+
+
+def base_lr(learner: str, hparams: Mapping[str, Any] | None = None) -> float:
+    """The learning rate an lr-spike factor multiplies: ``hparams["lr"]`` (a run's explicit
+    hyperparameters) or the learner's default (:mod:`stabstudy.hparams`)."""
+    from stabstudy.hparams import defaults
+    from stabstudy.registry import hparams_class
+
+    return float((hparams or {}).get("lr", defaults(hparams_class("rl", learner))["lr"]))
+
+
+def policy_change_table(ds: xr.Dataset, rows, *, duration: Mapping[str, float], prefix_of: Mapping[str, str],
+                        control_dose: float = CONTROL_DOSE):
+    """:func:`spike_policy_change` of every run of ``rows`` (``rl_comparison.summarize`` rows of the runs
+    of ``ds``, a ``load_runs`` Dataset: perturbed forks and their controls) over its spike window
+    (``pert_start``, ``duration[learner]`` env steps); a control (``pert_kind`` "none") over the window
+    of the perturbed forks of its prefix (their median start), at dose ``control_dose``. One row per
+    run: ``spec_hash``, ``learner``, ``prefix`` (``prefix_of``), ``pert_kind``, ``pert_dose`` and the
+    measured change: what :func:`prefix_critical_doses` reads as ``changes``."""
+    import pandas as pd
+
+    rows = rows.assign(prefix=rows.spec_hash.map(lambda h: prefix_of.get(str(h))))
+    starts = rows[rows.pert_kind != "none"].groupby(["learner", "prefix"]).pert_start.median().to_dict()
+    out = []
+    for r in rows.itertuples():
+        control = r.pert_kind == "none"
+        start = starts.get((r.learner, r.prefix), np.nan) if control else float(r.pert_start)
+        if not np.isfinite(start) or r.learner not in duration:
+            continue
+        out.append({"spec_hash": r.spec_hash, "learner": r.learner, "prefix": r.prefix, "pert_kind": r.pert_kind,
+                    "pert_dose": control_dose if control else float(r.pert_dose),
+                    **spike_policy_change(ds.sel(run=r.spec_hash), start, float(duration[r.learner]))})
+    return pd.DataFrame(out)
+
+
+def prefix_critical_doses(prefix_rows, dose_col: str = "pert_dose", *, kind: str | None = "lr_spike",
+                          control_dose: float = CONTROL_DOSE, base_lrs: Mapping[str, float] | None = None,
+                          changes=None, change: str = "update_path"):
+    """Each prefix's own critical dose (:func:`dose_brackets` of its :func:`by_prefix` rows): ``dose``
+    is the geometric midpoint of its bracket ``(low, high]`` (``inf`` above the grid, where it ranks
+    above every bracketed dose; NaN without data). One row per learner and prefix, however many forks
+    each prefix has: the prefix is the unit.
+
+    ``base_lrs`` (learner -> the lr the factor multiplies, :func:`base_lr`): ``lr``, ``lr_low``,
+    ``lr_high``, the same as an absolute learning rate. ``changes`` (:func:`policy_change_table`):
+    ``change_low`` / ``change_high``, the mean measured policy change (column ``change``, e.g.
+    ``update_path``, ``relative_path`` or ``kl``) of the prefix's forks at the bracket's two doses (the
+    control's at ``control_dose``), and ``change_at_dose``, their geometric mean: the policy change
+    the critical dose caused, interval-censored like the dose."""
+    crit = dose_brackets(prefix_rows, kind=kind, dose_col=dose_col, control_dose=control_dose)
+    hi = crit.high.to_numpy(float)
+    crit["dose"] = np.where(np.isfinite(hi), np.sqrt(crit.low.to_numpy(float) * hi), hi)
+    if base_lrs is not None:
+        lr = crit.learner.map(lambda a: float(base_lrs.get(a, np.nan))).to_numpy(float)
+        for c in ("dose", "low", "high"):
+            crit["lr" if c == "dose" else f"lr_{c}"] = crit[c].to_numpy(float) * lr
+    if changes is not None:
+        ch = changes[changes.pert_kind.isin([kind, "none"])] if kind is not None and "pert_kind" in changes else changes
+        mean = ch.groupby(["learner", "prefix", dose_col])[change].mean().to_dict()
+        for c in ("low", "high"):
+            crit[f"change_{c}"] = [mean.get((a, p, d), np.nan) for a, p, d in zip(crit.learner, crit.prefix, crit[c],
+                                                                                   strict=True)]
+        lo, up = crit.change_low.to_numpy(float), crit.change_high.to_numpy(float)
+        with np.errstate(invalid="ignore"):
+            crit["change_at_dose"] = np.where((lo > 0) & (up > 0), np.sqrt(lo * up), np.nan)
+    return crit
+
+
+#: The least arrangements of a two-sample rank test computed exactly (``scipy.stats.PermutationMethod``
+#: enumerates them all, ties included); beyond, 9,999 random ones (8 vs 8 prefixes: 12,870, exact).
+EXACT_ARRANGEMENTS = 20_000
+
+
+def rank_test_p(a: Sequence[float], b: Sequence[float], alternative: str, *, seed: int = 0) -> float:
+    """One-sided Mann-Whitney U p-value of ``a`` against ``b`` (``alternative`` "less": ``a`` lower),
+    by the permutation distribution of U given the ties (exact up to :data:`EXACT_ARRANGEMENTS`
+    arrangements, else 9,999 random ones seeded with ``seed``): the normal approximation is not
+    trustworthy for the few prefixes and the many ties (every "above the grid" is one value) here."""
+    from math import comb
+
+    from scipy import stats
+
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = np.inf if comb(a.size + b.size, a.size) <= EXACT_ARRANGEMENTS else 9999
+    method = stats.PermutationMethod(n_resamples=n, rng=np.random.default_rng(seed))
+    return float(stats.mannwhitneyu(a, b, alternative=alternative, method=method).pvalue)
 
 
 def critical_dose_claim(claim: str, source: str, lower: Sequence[float], higher: Sequence[float], *,
-                        alpha: float = 0.05, min_n: int = 3) -> Claim:
-    """Claim: the prefixes of ``lower`` have lower critical doses than those of ``higher``
-    (:func:`prefix_critical_doses`; ``inf`` = above the grid, ranked last): one-sided Mann-Whitney
-    U over prefixes, one value per prefix. ``supported`` when "lower" rejects at ``alpha``, ``not
-    supported`` when "greater" does, else ``inconclusive``; fewer than ``min_n`` prefixes in either
-    arm: ``not tested`` (none) or ``inconclusive``."""
-    from scipy.stats import mannwhitneyu
+                        alpha: float = 0.05, min_n: int = 3, lower_high: Sequence[float] | None = None,
+                        higher_low: Sequence[float] | None = None, power: str = "", seed: int = 0) -> Claim:
+    """Claim: the prefixes of ``lower`` have lower critical doses than those of ``higher`` (one value
+    per prefix, :func:`prefix_critical_doses`; ``inf`` = above the grid, ranked above every finite
+    value): a one-sided Mann-Whitney U test over prefixes (:func:`rank_test_p`). ``supported`` when
+    "lower" rejects at ``alpha``, ``not supported`` when "greater" does, else ``inconclusive``; no
+    prefix in an arm: ``not tested``; fewer than ``min_n`` in one, or so few that even complete
+    separation cannot reach ``alpha``: ``inconclusive``, saying so.
+
+    The values are the brackets' midpoints; ``lower_high`` / ``higher_low`` (each arm's bracket end
+    least favourable to the claim, same order) add the p-value at those ends to the reason: how much
+    the verdict leans on where within its bracket each prefix's dose lies. ``power``: a sentence on
+    the test's power, appended to the reason. ``effect``: log10 of the ratio of the medians (NaN when
+    one is above the grid)."""
+    from stabstudy.analysis.studies.rl_design import smallest_p
 
     a, b = np.asarray(lower, dtype=float), np.asarray(higher, dtype=float)
-    a, b = a[~np.isnan(a)], b[~np.isnan(b)]
-    test = "Mann-Whitney U over prefixes (one-sided)"
+    keep_a, keep_b = ~np.isnan(a), ~np.isnan(b)
+    a, b = a[keep_a], b[keep_b]
+    test = "Mann-Whitney U over prefixes (one-sided, permutation); effect: log10 ratio of median critical doses"
     n = int(a.size + b.size)
+    tail = f"; {power}" if power else ""
     if min(a.size, b.size) == 0:
         return not_tested(claim, source, "no prefix-level critical doses", n=n)
     if min(a.size, b.size) < min_n:
-        return Claim(claim, source, "inconclusive", f"{a.size} vs {b.size} prefixes, fewer than {min_n}", n=n, test=test)
+        return Claim(claim, source, "inconclusive", f"{a.size} vs {b.size} prefixes, fewer than {min_n}{tail}", n=n,
+                     test=test)
+    if smallest_p(a.size, b.size) >= alpha:
+        return Claim(claim, source, "inconclusive", f"{a.size} vs {b.size} prefixes: the smallest attainable p is "
+                     f"{smallest_p(a.size, b.size):.3g}, not below alpha {alpha:.3g}{tail}", n=n, test=test)
     if np.all(np.concatenate([a, b]) == a[0]):
-        return Claim(claim, source, "inconclusive", "every prefix has the same critical dose", n=n, test=test)
-    p_for = float(mannwhitneyu(a, b, alternative="less").pvalue)
-    p_against = float(mannwhitneyu(a, b, alternative="greater").pvalue)
+        return Claim(claim, source, "inconclusive", f"every prefix has the same critical dose{tail}", n=n, test=test)
+    p_for = rank_test_p(a, b, "less", seed=seed)
+    p_against = rank_test_p(a, b, "greater", seed=seed)
     verdict = "supported" if p_for < alpha else "not supported" if p_against < alpha else "inconclusive"
-    med = lambda x: float(np.median(x))  # noqa: E731 - inf stays inf
-    reason = (f"median critical dose {med(a):.3g} ({a.size} prefixes) vs {med(b):.3g} ({b.size}); "
-              f"one-sided p = {p_for:.3g}" + (f", against: p = {p_against:.3g}" if verdict == "not supported" else ""))
-    return Claim(claim, source, verdict, reason, med(a) - med(b) if np.isfinite(med(a) - med(b)) else np.nan,
-                 n=n, test=test, p=p_for if verdict != "not supported" else p_against, p_decides=verdict != "inconclusive")
+    med_a, med_b = float(np.median(a)), float(np.median(b))
+    worst = ""
+    if lower_high is not None and higher_low is not None:
+        wa = np.asarray(lower_high, dtype=float)[keep_a]
+        wb = np.asarray(higher_low, dtype=float)[keep_b]
+        worst = f"; at the brackets' ends least favourable to it p = {rank_test_p(wa, wb, 'less', seed=seed):.3g}"
+
+    def fmt(m, x):
+        return f"above the grid ({int(np.isinf(x).sum())} of {x.size})" if np.isinf(m) else f"{m:.3g}"
+
+    reason = (f"median critical dose {fmt(med_a, a)} ({a.size} prefixes) vs {fmt(med_b, b)} ({b.size}); one-sided "
+              f"p = {p_for:.3g}" + (f", against: p = {p_against:.3g}" if verdict == "not supported" else "")
+              + worst + tail)
+    effect = float(np.log10(med_a / med_b)) if np.isfinite(med_a) and np.isfinite(med_b) else np.nan
+    return Claim(claim, source, verdict, reason, effect, n=n, test=test,
+                 p=p_for if verdict != "not supported" else p_against, p_decides=verdict != "inconclusive")
+
+
+#: Each :func:`prefix_critical_doses` value claim (b) can test, with its bracket's columns.
+CRITICAL_VALUES = {"dose": ("low", "high"), "lr": ("lr_low", "lr_high"),
+                   "change_at_dose": ("change_low", "change_high")}
+
+
+def critical_dose_claims(crit, *, on_policy: str = "ppo", off_policy: Sequence[str] = ("sac", "td3"),
+                         value: str = "dose", spiked: Mapping[str, int] | None = None, alpha: float = 0.05,
+                         min_n: int = 3, planning: tuple[float, float, float] = (5.0, 50.0, 0.4),
+                         bisections: int = 2, sims: int = 400, seed: int = 0) -> list[Claim]:
+    """Claim (b): "``on_policy``'s critical lr-spike dose is lower than each ``off_policy`` learner's",
+    over prefixes (``crit``: :func:`prefix_critical_doses`, one row per prefix: forks of one prefix
+    are one value).
+
+    ``value``: ``"dose"`` (the factor), ``"lr"`` (the absolute learning rate: needs ``base_lrs``) or
+    ``"change_at_dose"`` (the policy change it caused: needs ``changes``); :data:`CRITICAL_VALUES`.
+    One :func:`critical_dose_claim` per off-policy learner at ``alpha / len(off_policy)``, then the
+    joint row: ``supported`` only when every comparison is, ``not supported`` when any is, else
+    ``inconclusive``. ``spiked`` (learner -> median spiked updates, :func:`spiked_updates`): a learner
+    the spike reached no update of is ``not tested``. Every reason states its power
+    (:func:`~stabstudy.analysis.studies.rl_design.critical_dose_power` at the ``planning`` medians of
+    the two arms and spread, in decades, with ``bisections`` midpoints, for its numbers of prefixes;
+    for ``value="dose"`` only: the planning is in dose units)."""
+    from stabstudy.analysis.studies.rl_design import critical_dose_power
+
+    if value not in CRITICAL_VALUES:
+        raise ValueError(f"value must be one of {', '.join(CRITICAL_VALUES)}; got {value!r}")
+    if value not in crit:
+        raise ValueError(f"crit has no column {value!r}: pass base_lrs (lr) or changes (change_at_dose) to "
+                         "prefix_critical_doses")
+    lo_col, hi_col = CRITICAL_VALUES[value]
+    level = alpha / max(1, len(off_policy))
+    label = {"dose": "critical lr-spike dose", "lr": "critical learning rate (dose x base lr)",
+             "change_at_dose": "policy change at its critical lr-spike dose"}[value]
+
+    def arm(a):
+        return crit[crit.learner == a]
+
+    on = arm(on_policy)
+    rows = []
+    for a in off_policy:
+        off = arm(a)
+        n1, n2 = int(on[value].notna().sum()), int(off[value].notna().sum())
+        if value == "dose":
+            pw = critical_dose_power(n1, n2, medians=planning[:2], sd=planning[2], bisections=bisections, alpha=level,
+                                     sims=sims, seed=seed)
+            power = (f"power {pw:.2f} at planning medians x{planning[0]:g} vs x{planning[1]:g}, spread {planning[2]:g} "
+                     f"decades, {bisections} bisections, {n1} and {n2} prefixes, alpha {level:.3g} (simulated, {sims} "
+                     "draws)")
+        else:
+            power = "power not computed: the planning is in dose units (see the dose row)"
+        claim = critical_dose_claim(f"{on_policy.upper()}'s {label} is lower than {a.upper()}'s (each prefix's own, "
+                                    "bracketed by bisection; over prefixes)", "source paper: the report under test",
+                                    on[value], off[value], alpha=level, min_n=min_n, lower_high=on[hi_col],
+                                    higher_low=off[lo_col], power=power, seed=seed)
+        missing = [x for x in (on_policy, a) if spiked is not None and int(spiked.get(x, 0)) == 0]
+        rows.append(checked(claim, not missing, f"the perturbation reached no update of {', '.join(m.upper() for m in missing)}"))
+    verdicts = [r.verdict for r in rows]
+    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
+             "not supported" if "not supported" in verdicts else
+             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
+    others = " and ".join(a.upper() for a in off_policy)
+    rows.append(Claim(f"{on_policy.upper()}'s {label} is lower than {others}'s (every comparison must hold)",
+                      "source paper: the report under test", joint,
+                      "; ".join(f"{a.upper()}: {v}" for a, v in zip(off_policy, verdicts, strict=True)),
+                      n=int(crit[crit.learner.isin([on_policy, *off_policy])][value].notna().sum()),
+                      test="intersection of one-sided Mann-Whitney tests"))
+    return rows
 
 
 # -- manipulation checks --------------------------------------------------------------------
 
 
-def spiked_updates(run: xr.Dataset, start: float, duration: float) -> dict[str, int]:
-    """Gradient updates of one run (dim ``step``) made while its lr spike was on: rows with
-    ``env_step`` in ``[start, start + duration)`` past the run's first row, per optimizer the
-    Monitor measured (``update_norm`` = the primary optimizer: the critic off-policy, PPO's policy;
-    ``update_norm_actor``: the actor, which TD3 updates every ``policy_delay`` rows)."""
+#: Per-update count names of :func:`spiked_updates`: ``updates`` is the primary optimizer's (off-policy the
+#: critic, PPO/A2C the policy), then one per optimizer of a multi-optimizer Monitor.
+SPIKED_COUNTS = {"": "updates", "critic": "critic_updates", "actor": "actor_updates", "ent_coef": "ent_coef_updates"}
+
+
+def _window(run: xr.Dataset, start: float, duration: float) -> np.ndarray:
+    """Rows of ``run`` with ``env_step`` in ``[start, start + duration)``, past its first row (a fork's
+    first row is its prefix's last update, made before the window)."""
     env = np.asarray(run["env_step"].values, dtype=float)
     inside = (env >= start) & (env < start + duration)
-    inside[:1] = False  # a fork's first row is its prefix's last update, made before the window
+    inside[:1] = False
+    return inside
+
+
+def spiked_updates(run: xr.Dataset, start: float, duration: float, *, rtol: float = 1e-6) -> dict[str, int]:
+    """Gradient updates of one run (dim ``step``) that its lr spike reached, per optimizer: rows with
+    ``env_step`` in ``[start, start + duration)`` (past the run's first row) where the learning rate the
+    optimizer actually applied (``lr``, ``lr_<optimizer>``: recorded on every update it made, whatever
+    the Monitor's ``every``) differs by more than ``rtol`` from its median outside the window.
+
+    Keys (:data:`SPIKED_COUNTS`, those the run measured): ``updates`` (the primary optimizer: the
+    critic off-policy, the policy for PPO/A2C), ``critic_updates``, ``actor_updates`` (TD3's delayed
+    actor steps every ``policy_delay`` updates: about half the critic's), ``ent_coef_updates`` (SAC's
+    entropy coefficient: 0 unless ``spike_ent_coef``). A run without the ``lr`` channel (no Monitor):
+    ``updates`` = every row in the window. Rows a run thinned (``log_every`` > 1) are not counted."""
+    inside = _window(run, start, duration)
+    if "lr" not in run:
+        return {"updates": int(inside.sum())}
     out = {}
-    for name, ch in (("updates", "update_norm"), ("actor_updates", "update_norm_actor")):
-        if ch in run:
-            out[name] = int((inside & np.isfinite(run[ch].values)).sum())
-    if "updates" not in out:  # no Monitor: every row after the first is an update
-        out["updates"] = int(inside.sum())
+    for opt, name in SPIKED_COUNTS.items():
+        ch = f"lr_{opt}" if opt else "lr"
+        if ch not in run:
+            continue
+        lr = np.asarray(run[ch].values, dtype=float)
+        base = lr[~inside & np.isfinite(lr)]
+        if not base.size:  # nothing outside the window to compare with: every update in it counts as reached
+            out[name] = int((inside & np.isfinite(lr)).sum())
+            continue
+        ref = float(np.median(base))
+        out[name] = int((inside & np.isfinite(lr) & (np.abs(lr - ref) > rtol * abs(ref))).sum())
     return out
+
+
+def spike_policy_change(run: xr.Dataset, start: float, duration: float) -> dict[str, float]:
+    """How much one run's policy moved in ``[start, start + duration)`` (env steps; past its first
+    row), the spike's window, or the same window of a control fork:
+
+    * ``policy_updates``: updates of the policy's optimizer in the window (rows where it applied a
+      learning rate: ``lr_actor`` off-policy, ``lr`` for PPO/A2C);
+    * ``update_norm``: the mean L2 norm of those updates (``update_norm_actor`` / ``update_norm``,
+      over the rows the Monitor measured them: every ``monitor_every``-th);
+    * ``update_path``: ``update_norm x policy_updates``, the length of the path the policy's
+      parameters travelled (an estimate when the Monitor skipped rows);
+    * ``relative_path``: the same with ``update_ratio`` (update / parameter norm): comparable
+      across network sizes;
+    * ``kl``: PPO's mean ``approx_kl`` of the window's ``train()`` calls (nats; NaN for learners
+      without it).
+
+    NaN where the run lacks the channel or has no measured row in the window."""
+    inside = _window(run, start, duration)
+    sfx = "_actor" if "update_norm_actor" in run else ""
+
+    def mean(ch):
+        if ch not in run:
+            return np.nan
+        v = np.asarray(run[ch].values, dtype=float)[inside]
+        v = v[np.isfinite(v)]
+        return float(v.mean()) if v.size else np.nan
+
+    lr_ch = f"lr{sfx}" if f"lr{sfx}" in run else None
+    n = int((inside & np.isfinite(np.asarray(run[lr_ch].values, dtype=float))).sum()) if lr_ch else int(inside.sum())
+    norm, ratio = mean(f"update_norm{sfx}"), mean(f"update_ratio{sfx}")
+    return {"policy_updates": n, "update_norm": norm, "update_path": norm * n, "relative_path": ratio * n,
+            "kl": mean("approx_kl")}
 
 
 #: The channel that shows each learner's own noise knob acting on its policy.

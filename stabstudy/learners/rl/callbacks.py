@@ -84,12 +84,13 @@ Perturbations
 * ``action_noise``, ``obs_noise``, ``reward_scale`` act through the wrapper of
   :func:`stabstudy.learners.rl.envs.make_env`; the callback only warns when the
   training env lacks it. Rows are flagged ``perturbed`` for every kind. With
-  ``purge_replay`` (off-policy), the transitions collected inside such a window leave the
-  replay buffer when it ends (the buffer's write position goes back to where the window
-  began, so later transitions overwrite them and sampling never reaches them): afterwards
-  the learner trains on unperturbed data only, as PPO does once it discards the rollout.
-  A buffer that was full (or wrapped) during the window keeps them (the older transitions
-  they overwrote are gone); ``replay_purged`` / ``replay_kept`` count both. PPO normalises
+  ``purge_replay`` (off-policy), the transitions such a window touched (its env steps; for
+  ``obs_noise`` one more, which starts from its last noisy observation; overlapping windows
+  merged) leave the replay buffer when it ends (:func:`stabstudy.learners.rl.replay.drop_latest`:
+  sampling never reaches them again, also in a buffer that had wrapped, whose older transitions
+  they overwrote are gone): afterwards the learner trains on unperturbed data only, as PPO does
+  once it discards the rollout. Only a window that alone fills the buffer is kept (removing it
+  would leave nothing to sample); ``replay_purged`` / ``replay_kept`` count both. PPO normalises
   its advantages, so a reward factor reaches its policy update only through the value loss.
 
 Divergence: non-finite or exploding (``> threshold``) losses, gradient norms, Q values,
@@ -115,6 +116,7 @@ from stabstudy.interventions.control import Controller, OlmoSkip
 from stabstudy.interventions.perturb import Perturbation, Schedule, add_weight_noise, reinit_layer
 from stabstudy.learners.rl.envs import ENV_KINDS, env_wrapper
 from stabstudy.learners.rl.recorder import PARAMETRIC_KINDS, Recorder, exploding, optimizers_of
+from stabstudy.learners.rl.replay import drop_latest, stored, touched_windows
 
 #: Kinds that act through the learning rate (:meth:`~stabstudy.interventions.perturb.Schedule.lr_factor`).
 LR_KINDS = ("lr_spike", "lr_ramp")
@@ -239,10 +241,12 @@ class PerturbationCallback(RecorderCallback):
         super().__init__(recorder, verbose)
         self.spike_ent_coef = bool(spike_ent_coef)
         self.purge_replay = bool(purge_replay)
-        self.replay_purged = 0  # transitions removed from the replay buffer at window ends
-        self.replay_kept = 0  # perturbed transitions a full buffer kept
-        self._marks: dict[int, tuple[int, bool]] = {}  # perturbation id -> replay (pos, full) at its start
+        self.replay_purged = 0  # perturbed transitions removed from the replay buffer when their window ended
+        self.replay_kept = 0  # perturbed transitions kept (they were all the buffer held, or the count did not match)
         self.schedule = schedule if isinstance(schedule, Schedule) else Schedule(tuple(schedule))
+        self._touched = touched_windows([(p.kind, p.start, p.end) for p in self.schedule.perturbations
+                                         if p.kind in ENV_KINDS])
+        self._marks: dict[int, int] = {}  # touched interval's start -> the buffer's write position then
         if self.recorder.schedule.perturbations:
             raise ValueError("this Recorder already has a schedule: one PerturbationCallback per Recorder")
         self.recorder.schedule = self.schedule
@@ -305,23 +309,24 @@ class PerturbationCallback(RecorderCallback):
         return super()._on_step()
 
     def _purge(self, t: int) -> None:
-        """Called after the env step ``t - 1`` was taken, before its transition is stored (SB3
-        stores it after the callbacks): at ``t = start + 1`` mark the buffer's write position (the
-        window's first transition goes there), at ``t = end + 1`` (its last one stored) go back to it."""
+        """Called after env step ``t - 1`` was taken, before its transition is stored (SB3 stores it
+        after the callbacks): at ``t = a + 1`` note the buffer's write position (the touched
+        interval's first transition goes there), at ``t = b + 1`` (its last one stored) drop the
+        latest ``b - a`` (:func:`~stabstudy.learners.rl.replay.drop_latest`) once the position
+        says that many were written since."""
         rb = self.model.replay_buffer
-        for p in self.schedule.perturbations:
-            if p.kind not in ENV_KINDS:
-                continue
-            if t == p.start + 1:
-                self._marks[id(p)] = (int(rb.pos), bool(rb.full))
-            elif t == p.end + 1 and id(p) in self._marks:
-                pos, full = self._marks.pop(id(p))
-                n = p.end - p.start
-                if full or pos + n > rb.buffer_size:
-                    self.replay_kept += n
-                else:
-                    rb.pos, rb.full = pos, False
+        for a, b in self._touched:
+            if t == a + 1:
+                self._marks[a] = int(rb.pos)
+            elif t == b + 1 and a in self._marks:
+                n = b - a
+                if (int(rb.pos) - self._marks.pop(a) - n) % rb.buffer_size == 0 and drop_latest(rb, n) == n:
                     self.replay_purged += n
+                else:
+                    self.replay_kept += n
+                    warnings.warn(f"PerturbationCallback: kept the {n} transitions of env steps [{a}, {b}) in the "
+                                  f"replay buffer (it holds {stored(rb)}; removing them would leave it empty, or "
+                                  "they were not the latest written)", RuntimeWarning, stacklevel=2)
 
     def _apply(self, p: Perturbation) -> None:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + p.start)

@@ -229,7 +229,8 @@ def run(spec: RunSpec) -> xr.Dataset:
     ds.attrs.update(status="diverged" if rec.diverged else "ok", diverge_reason=rec.diverge_reason,
                     env_steps=int(model.num_timesteps), n_updates=int(rec.n_updates), algo=spec.learner,
                     learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,
-                    monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind, dose_rules=DOSE_RULES)
+                    monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind, dose_rules=DOSE_RULES,
+                    replay_rule=REPLAY_RULE)
     if kind == "prefix":
         _, sha = forks.save(spec, model, {"n_updates": rec.n_updates, "train_calls": rec.train_calls,
                                           "diag_rng": _diagnostics(cb).rng_state},
@@ -260,6 +261,11 @@ MONITOR_OWN_STEPS = 1
 #: (``purge_replay``); before, both were not so. Only SAC lr-spike runs and off-policy runs
 #: with env-side kinds are affected (:func:`stale`), so other stored runs are kept.
 DOSE_RULES = 1
+#: 1: an env-side window's transitions leave a replay buffer that had wrapped too (before, a full buffer
+#: kept them: ``replay_kept``), and ``obs_noise`` drops one more (the transition that starts from the
+#: window's last noisy observation). Only off-policy runs with ``obs_noise`` or with ``replay_kept`` are
+#: affected (:func:`stale`).
+REPLAY_RULE = 1
 
 
 def stale(spec: RunSpec, attrs: dict) -> str | None:
@@ -274,6 +280,10 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
             (spec.learner == "sac" and "lr_spike" in kinds) or (spec.learner not in ON_POLICY and kinds & set(ENV_KINDS))):
         return (f"made by older dose rules (dose_rules {int(attrs.get('dose_rules', 0))}, now {DOSE_RULES}: SAC's "
                 "entropy-coefficient optimizer spiked, env-side transitions kept in the replay buffer)")
+    if int(attrs.get("replay_rule", 0)) != REPLAY_RULE and spec.learner not in ON_POLICY and (
+            "obs_noise" in kinds or int(attrs.get("replay_kept", 0)) > 0):
+        return (f"purged its replay buffer by an older rule (replay_rule {int(attrs.get('replay_rule', 0))}, now "
+                f"{REPLAY_RULE}: a wrapped buffer kept the window, obs_noise left its last transition)")
     if spec.learner == "td3" and int(attrs.get("monitor_own_steps", 0)) != MONITOR_OWN_STEPS:
         return "sampled the delayed actor's telemetry by rows, not by its own steps (monitor_own_steps 0)"
     if forks.role(spec) == "prefix" and attrs.get("status") in ("ok", "diverged") and not forks.has_checkpoint(spec):
