@@ -256,16 +256,6 @@ def test_the_policy_change_of_a_spike_window_is_measured_per_update_and_over_the
     assert ppo["policy_updates"] == 4 and ppo["kl"] == pytest.approx(0.03) and np.isnan(ppo["relative_path"])
 
 
-def test_a_knob_that_did_not_change_the_policys_noise_is_caught():
-    control = _run([100, 200, 300], ent_coef=[0.1, 0.1, 0.1])
-    assert O.knob_changed(_run([100, 200, 300], ent_coef=[0.3, 0.3, 0.3]), control, "sac", 300, lookback=250)[0] is True
-    same, reason = O.knob_changed(_run([100, 200, 300], ent_coef=[0.1, 0.1, 0.101]), control, "sac", 300, lookback=250)
-    assert same is False and "did not change ent_coef" in reason
-    assert O.knob_changed(control, control, "td3", 300, lookback=250)[0] is None
-    missing, reason = O.knob_changed(_run([100], loss=[1.0]), control, "sac", 300, lookback=250)
-    assert missing is False and "no ent_coef" in reason
-
-
 def _prefix_rows(rates):
     return pd.DataFrame([{"learner": a, "pert_kind": "lr_spike", "pert_dose": 10.0, "prefix": f"{a}{i}",
                           "collapsed_prefix": float(i < k)} for a, (k, n) in rates.items() for i in range(n)])
@@ -289,77 +279,6 @@ def test_a_learner_the_spike_reached_no_update_of_is_not_tested():
                                      spiked={"ppo": 20, "sac": 0, "td3": 40})
     assert rows[0].verdict == "not tested" and "no update of SAC" in rows[0].reason
     assert rows[1].verdict == "supported" and rows[2].verdict == "inconclusive"
-
-
-def _knob(prefix_from):
-    """prefix_critical_doses of prefixes p0.. that collapse from the given doses on."""
-    return O.prefix_critical_doses(pd.DataFrame([r for i, c in enumerate(prefix_from)
-                                                 for r in _dose_rows("ppo", f"p{i}", c)]))
-
-
-def test_the_paired_change_of_each_prefixs_critical_dose_counts_only_resolved_moves():
-    ch = O.knob_dose_changes(_knob([10, 10, 30, np.inf, 10]), _knob([100, np.inf, 30, np.inf, 3]))
-    assert list(ch.direction) == [1.0, 1.0, 0.0, 0.0, -1.0]  # up, up, same bracket, both above, down
-    assert ch.log10_change.iloc[0] == pytest.approx(np.log10(np.sqrt(3000) / np.sqrt(30)))
-    assert np.isnan(ch.log10_change.iloc[3])
-
-
-@pytest.mark.parametrize(("default", "raised", "verdict"), [
-    ([10] * 6, [100, np.inf, 100, np.inf, 100, 100], "supported"),
-    ([100, np.inf, 100, np.inf, 100, 100], [10] * 6, "not supported"),
-    ([10] * 6, [10, 10, 30, 10, 3, 30], "inconclusive"),
-])
-def test_claim_c_on_the_critical_dose(default, raised, verdict):
-    claim = O.noise_buffer_claim(O.knob_dose_changes(_knob(default), _knob(raised)), "ppo", "ent_coef")
-    assert claim.verdict == verdict and claim.n == 6 and "power" in claim.reason
-
-
-def test_claim_c_on_the_collapse_at_one_dose():
-    def rows(collapsed):
-        return pd.DataFrame([{"learner": "sac", "pert_kind": "lr_spike", "pert_dose": 30.0, "prefix": f"s{i}",
-                              "collapsed_prefix": c} for i, c in enumerate(collapsed)])
-    ch = O.knob_collapse_changes(rows([1, 1, 1, 1, 1, 1, 0]), rows([0, 0, 0, 0, 0, 0, 0]), 30.0)
-    assert list(ch.direction) == [1, 1, 1, 1, 1, 1, 0]
-    claim = O.noise_buffer_claim(ch, "sac", "target_entropy", outcome="collapse", dose=30.0)
-    assert claim.verdict == "supported" and "collapse at x30" in claim.claim and "6 prefixes up" in claim.reason
-    # collapsing at every knob level (the old x30 design): nothing can move, nothing is decided
-    flat = O.noise_buffer_claim(O.knob_collapse_changes(rows([1] * 7), rows([1] * 7), 30.0), "sac", "target_entropy",
-                                outcome="collapse", dose=30.0)
-    assert flat.verdict == "inconclusive" and "no prefix resolved a change" in flat.reason
-    few = O.noise_buffer_claim(O.knob_collapse_changes(rows([1, 1, 1]), rows([0, 0, 0]), 30.0), "sac", "t",
-                               outcome="collapse", dose=30.0)
-    assert few.verdict == "inconclusive" and "smallest attainable p is 0.125" in few.reason
-    assert O.noise_buffer_claim(ch.iloc[:0], "sac", "t", outcome="collapse", dose=30.0).verdict == "not tested"
-    with pytest.raises(ValueError, match="critical dose, collapse"):
-        O.noise_buffer_claim(ch, "sac", "t", outcome="return")
-
-
-def test_claim_c_is_not_tested_when_the_knob_changed_nothing():
-    ch = O.knob_dose_changes(_knob([10] * 6), _knob([100] * 6))
-    none_changed = pd.DataFrame({"learner": "ppo", "prefix": [f"p{i}" for i in range(6)], "changed": False,
-                                 "reason": "the knob did not change policy_std before the spike (0.5 vs 0.5)"})
-    claim = O.noise_buffer_claim(ch, "ppo", "ent_coef", checks=none_changed)
-    assert claim.verdict == "not tested" and "manipulation check failed" in claim.reason and "policy_std" in claim.reason
-    some = none_changed.assign(changed=[True] * 5 + [False])
-    claim = O.noise_buffer_claim(ch, "ppo", "ent_coef", checks=some)
-    assert claim.verdict == "supported" and claim.n == 5 and "1 prefix(es) left out" in claim.reason
-    unmeasurable = none_changed.assign(changed=None, reason="TD3's knob acts on behaviour")
-    claim = O.noise_buffer_claim(ch, "ppo", "ent_coef", checks=unmeasurable)
-    assert claim.verdict == "supported" and "not measurable" in claim.reason
-
-
-def test_the_knob_check_table_pairs_each_knob_fork_with_its_prefixs_default_fork():
-    def run(std):
-        return xr.Dataset({"policy_std": (("run", "step"), [[std, std, std]])},
-                          coords={"run": [0], "step": np.arange(3), "env_step": ("step", [100, 200, 300])}).isel(run=0)
-    ds = xr.concat([run(0.5).expand_dims(run=[h]) for h in ("d0", "s0")]
-                   + [run(0.9).expand_dims(run=["k0"]), run(0.5).expand_dims(run=["k1"])], "run")
-    rows = pd.DataFrame({"spec_hash": ["d0", "s0", "k0", "k1"], "learner": "ppo",
-                         "pert_kind": ["none", "lr_spike", "none", "none"], "pert_start": [np.nan, 350, np.nan, np.nan],
-                         "noise_after_fork": ["same", "same", 0.05, 0.01]})
-    t = O.knob_check_table(ds, rows, lookback={"ppo": 300}, prefix_of={h: "P" for h in rows.spec_hash})
-    assert list(t.noise) == [0.05, 0.01] and list(t.changed) == [True, False]
-    assert "did not change policy_std" in t.reason.iloc[1]
 
 
 def test_forks_at_different_knobs_are_never_pooled_into_one_prefix_row():
