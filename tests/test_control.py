@@ -447,7 +447,7 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     assert free == rl_comparison.fork_grid(["ppo"], [("none", 1.0), ("lr_spike", 300.0)], [0, 1], {"ppo": 256},
                                            task="Pendulum-v1", hparams={"ppo": hp}, lead={"ppo": 128},
                                            post={"ppo": 192}, eval_every={"ppo": 64}, env_duration=64)
-    watch = study.watch_grid("ppo", [0], window=8, **kw)
+    watch = study.watch_grid(free, [0], window=8)
     assert [w.hp["controller_threshold"] for w in watch] == [study.WATCH] and not watch[0].perturbations
     prefixes = forks.prefix_specs(free)
     run_grid(prefixes, scheduler="serial", progress=False)
@@ -463,16 +463,16 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     assert {s.hp.get("controller_window") for s in specs if "controller" not in s.hp} == {None}
     run_grid(specs, scheduler="serial", progress=False)
     ds = load_runs(specs)
-    table = study.run_table(specs)
+    prefix_of = {s.spec_hash: forks.prefix_key(s).spec_hash for s in specs}
+    table = study.run_table(specs, prefix_of=prefix_of)
     assert set(table.domain) == {"ppo"} and set(table.event) == {"none", "lr_spike x300/64"}
     pre = load_runs(prefixes)
-    floors, scale = rl_comparison.return_reference(pre, rl_comparison.eval_curves(ds),
-                                                   {s.spec_hash: forks.prefix_key(s).spec_hash for s in specs})
+    floors, scale = rl_comparison.return_reference(pre, rl_comparison.eval_curves(ds), prefix_of)
     first = {p.spec_hash: float(pre.perf.sel(run=p.spec_hash).dropna("step").values[0]) for p in prefixes}
     assert floors == {s.spec_hash: first[forks.prefix_key(s).spec_hash] for s in specs}
     best = max(np.nanmax(pre.perf.values), np.nanmax(ds.perf.values))
     assert scale == pytest.approx(best - np.median(list(first.values())))
-    out = study.rl_outcomes(ds, table, scale=100.0, floors=floors, min_evals_after=1)
+    out = study.rl_outcomes(ds, table, scale=100.0, floors=floors, min_after=1)
     assert len(out) == len(specs) and out.n_steps.eq(int(np.isfinite(ds.lr.values[0]).sum())).all()
     ref = out[(out.controller == "none") & (out.event == "none")]
     assert (ref.damage == 0).all() and not ref.collapse.any()
@@ -480,3 +480,10 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     assert (ctrl.interventions == [int(np.nansum(ds.intervened.sel(run=r).values)) for r in ctrl.index]).all()
     assert ctrl.interventions.sum() > 0  # a low threshold acts
     assert out[out.event == "none"].first_action.isna().all()
+    pert = out[out.event != "none"]  # each against the unperturbed uncontrolled fork of its prefix, same env steps
+    assert set(pert.state) <= {"collapsed", "recovered", "no_drop"} and (pert.window == 640 - 64 - 384).all()
+    perf = ds.perf.where(np.isfinite(ds.perf))
+    for run, r in pert[~pert.diverged].iterrows():
+        t, c = (perf.sel(run=h).dropna("step") for h in (run, ref.index[ref.seed == r.seed][0]))
+        assert (t.env_step.values == c.env_step.values).all()
+        assert r.damage == pytest.approx(-(t.values[-3:] - c.values[-3:]).mean() / 100.0)

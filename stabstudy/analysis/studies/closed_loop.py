@@ -26,14 +26,20 @@ reference's), ``damage`` (``final`` minus the reference's; NaN when diverged), `
 from the onset until the smoothed loss is back within ``recover_excess[domain]`` nats of the
 reference's; NaN if never), ``first_action`` (steps from the onset to the first intervention at or
 after it), interventions per 1,000 steps. Losses are cross-entropies in nats in both domains.
-An RL domain's outcomes are those of notebook 01 (:func:`.rl_comparison.summarize`): ``final`` the
-mean of the last evaluation returns, ``collapse`` its collapse rule (or diverged), ``damage`` the
-reference's final return minus the run's, as a fraction of the return ``scale`` (so that it pools
-with the losses' nats as "larger is worse"), ``recovery`` in env steps, and steps are updates.
+An RL domain (``ppo``) continues notebook 01's independently trained prefixes: its uncontrolled
+forks are those notebook 01 recorded in its grid manifest (:func:`forks_of`; without one, built from
+the parameters as notebook 01 builds them, :func:`rl_grid`), and a controlled fork is the same fork
+with a controller (:func:`with_controllers`). Its outcomes pair every run with the unperturbed
+uncontrolled fork of its prefix at the same env steps (:func:`.rl_outcomes.paired_outcome`):
+``collapse`` its collapse rule over the window after the event (or diverged), ``damage`` the return
+lost against that fork as a fraction of the return ``scale`` (so that it reads as the losses' nats,
+"larger is worse"), ``recovery`` in env steps; steps are updates. The unit of its claims is the
+prefix, not the fork (:func:`unit_pairs`): forks of one prefix at several doses share its training.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -109,33 +115,78 @@ def published_grid(domain: str, steps: int, seeds: Sequence[int], event_step: in
 WATCH = 1e9
 
 
+#: Hyperparameters that set only what a run records, not how it trains: two forks that differ in them
+#: are forks of one arm (notebook 01 may evaluate more episodes than notebook 05's parameters say).
+RECORDING = ("eval_episodes", "eval_max_steps", "monitor_every")
+
+
+def _arm(hp: dict[str, Any]) -> dict[str, Any]:
+    """What a fork trains with: its hyperparameters less the recording ones, the fork point and what acts after it."""
+    return {k: v for k, v in hp.items() if k not in (*RECORDING, "prefix_steps", "noise_after_fork")
+            and not k.startswith("controller")}
+
+
+def forks_of(specs: Sequence[RunSpec], learner: str, events: Sequence[Sequence[Any]], hp: dict[str, Any],
+             ) -> list[RunSpec]:
+    """Notebook 01's forks (the specs of its grid manifest, :func:`stabstudy.run.grids.load_grid`) that
+    this study pairs: those of ``learner`` that train with ``hp`` (recording cadence aside, so that
+    another arm of the same learner, such as a tuned PPO, is left out), with the prefix's own noise
+    knob, unperturbed or with one perturbation matching an ``[kind, dose]`` of ``events``. Every
+    prefix keeps its unperturbed fork (the control) and a fork per event; ``ValueError`` naming what the
+    manifest holds when the arm, an event or a control is missing."""
+    arm = [s for s in specs if s.domain == "rl" and s.learner == learner and "noise_after_fork" not in s.hp
+           and _arm(s.hp) == _arm(hp)]
+    if not arm:
+        held = sorted({f"{s.learner} {_arm(s.hp)}" for s in specs if s.domain == "rl"})
+        raise ValueError(f"no {learner} fork in notebook 01's grid trains with {_arm(hp)}; it holds: {held}")
+    wanted = {(str(k), float(d)) for k, d, *_ in events}
+    out = [s for s in arm if not s.perturbations
+           or (len(s.perturbations) == 1 and (s.perturbations[0].kind, s.perturbations[0].dose) in wanted)]
+    have = {(p.kind, p.dose) for s in out for p in s.perturbations}
+    if wanted - have:
+        ran = sorted({(p.kind, p.dose) for s in arm for p in s.perturbations})
+        raise ValueError(f"notebook 01 ran no {learner} fork at {sorted(wanted - have)}; it ran {ran}")
+    no_control = sorted({s.seed for s in out} - {s.seed for s in out if not s.perturbations})
+    if no_control:
+        raise ValueError(f"{learner} seeds {no_control} have no unperturbed fork in notebook 01's grid")
+    return out
+
+
+def with_controllers(specs: Sequence[RunSpec], controllers: Sequence[str], thresholds: dict[str, float] | None, *,
+                     controller_hp: dict[str, Any] | None = None,
+                     per_controller: dict[str, dict[str, Any]] | None = None) -> list[RunSpec]:
+    """Per controller, the twin of every fork of ``specs``: the same fork (same prefix, same
+    continuation) with the controller (``controller_hp`` and its own ``per_controller[name]``); a
+    calibrated controller carries ``thresholds[CALIBRATED[name]]`` (None: watch runs, :data:`WATCH`)."""
+    out = []
+    for name in controllers:
+        h = {**(controller_hp or {}), **(per_controller or {}).get(name, {}), "controller": name}
+        if name in CALIBRATED:
+            h["controller_threshold"] = WATCH if thresholds is None else float(thresholds[CALIBRATED[name]])
+        out += [dataclasses.replace(s, hparams={**s.hp, **h}) for s in specs]
+    return out
+
+
 def rl_grid(learner: str, seeds: Sequence[int], events: Sequence[Sequence[Any]], controllers: Sequence[str],
             thresholds: dict[str, float] | None, *, hp: dict[str, Any], prefix_steps: int,
             controller_hp: dict[str, Any] | None = None, per_controller: dict[str, dict[str, Any]] | None = None,
             **fork_kw: Any) -> list[RunSpec]:
-    """Forks of ``learner``'s stored prefixes as notebook 01 builds them
-    (:func:`.rl_comparison.fork_grid` with ``hp`` and ``fork_kw``, so its uncontrolled forks are
-    shared): per seed the unperturbed fork and one per ``[kind, dose]`` event, uncontrolled and per
-    controller (with ``controller_hp`` and its own ``per_controller[name]``); a calibrated controller carries
-    ``thresholds[CALIBRATED[name]]`` (None: watch runs, :data:`WATCH`)."""
+    """Without notebook 01's manifest: forks of ``learner``'s prefixes built from the parameters as
+    notebook 01 builds them (:func:`.rl_comparison.fork_grid` with ``hp`` and ``fork_kw``): per seed
+    the unperturbed fork and one per ``[kind, dose]`` event, uncontrolled, then their twins per
+    controller (:func:`with_controllers`)."""
     treatments = [("none", 1.0), *((str(k), float(d)) for k, d, *_ in events)]
     kw = {"env_duration": 0, **fork_kw}  # an lr spike sets the horizon (notebook 01: one rollout)
-    out = rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
-    for name in controllers:
-        h = {**hp, **(controller_hp or {}), **(per_controller or {}).get(name, {}), "controller": name}
-        if name in CALIBRATED:
-            h["controller_threshold"] = WATCH if thresholds is None else float(thresholds[CALIBRATED[name]])
-        out += rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps},
-                                       hparams={learner: h}, **kw)
-    return out
+    free = rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
+    return free + with_controllers(free, controllers, thresholds, controller_hp=controller_hp,
+                                   per_controller=per_controller)
 
 
-def watch_grid(learner: str, seeds: Sequence[int], *, hp: dict[str, Any], prefix_steps: int, window: int = 64,
-               **fork_kw: Any) -> list[RunSpec]:
-    """The unperturbed watch forks of ``seeds``: our robust z at an unreachable threshold."""
-    return [s for s in rl_grid(learner, seeds, (), ["z_skip"], None, hp=hp, prefix_steps=prefix_steps,
-                               controller_hp={"controller_window": window}, **fork_kw)
-            if s.hp.get("controller") == "z_skip"]
+def watch_grid(specs: Sequence[RunSpec], seeds: Sequence[int], *, window: int = 64) -> list[RunSpec]:
+    """The watch twins of the unperturbed uncontrolled forks of ``seeds`` among ``specs``: our robust z
+    at an unreachable threshold."""
+    null = [s for s in specs if not s.perturbations and "controller" not in s.hp and s.seed in set(seeds)]
+    return with_controllers(null, ["z_skip"], None, controller_hp={"controller_window": window})
 
 
 def domain_of(spec: RunSpec) -> str:
@@ -143,10 +194,12 @@ def domain_of(spec: RunSpec) -> str:
     return spec.learner if spec.domain == "rl" else spec.domain
 
 
-def run_table(specs: Sequence[RunSpec], published: Sequence[RunSpec] = ()) -> pd.DataFrame:
+def run_table(specs: Sequence[RunSpec], published: Sequence[RunSpec] = (),
+              prefix_of: dict[str, str] | None = None) -> pd.DataFrame:
     """One row per spec (index: spec hash): domain, seed, controller (``name@published`` for the
-    specs in ``published``), event (``kind xdose/duration`` or ``none``), onset (RL: env step) and
-    the threshold given."""
+    specs in ``published``), event (``kind xdose/duration`` or ``none``), onset (RL: env step), the
+    threshold given, ``prefix`` (``prefix_of[hash]``: the prefix an RL fork continues, the unit of its
+    claims; empty for a run from scratch) and ``fork_at`` (its ``prefix_steps``, 0 from scratch)."""
     rows = []
     pub = {s.spec_hash for s in published}
     for s in dict.fromkeys([*specs, *published]):
@@ -157,7 +210,8 @@ def run_table(specs: Sequence[RunSpec], published: Sequence[RunSpec] = ()) -> pd
                      "controller": f"{name}@published" if s.spec_hash in pub else name,
                      "threshold": float(hp.get("controller_threshold", math.nan)),
                      "event": f"{p.kind} x{p.dose:g}/{p.duration}" if p else "none",
-                     "onset": p.start if p else -1})
+                     "onset": p.start if p else -1, "prefix": (prefix_of or {}).get(s.spec_hash, ""),
+                     "fork_at": int(hp.get("prefix_steps", 0))})
     return pd.DataFrame(rows).set_index("run")
 
 
@@ -265,7 +319,7 @@ def outcomes(ds: xr.Dataset, table: pd.DataFrame, *, collapse_excess: dict[str, 
         iv = np.nan_to_num(iv, nan=0.0)  # an uncontrolled run never intervenes
         n_steps = int(np.isfinite(loss).sum())
         row = {"run": run, **r.to_dict(), "diverged": bool(diverged), "final": fin, "ref_final": rfin,
-               "collapse": bool(diverged or fin > rfin + collapse_excess[r.domain]), "damage": fin - rfin,
+               "collapse": float(diverged or fin > rfin + collapse_excess[r.domain]), "damage": fin - rfin,
                "interventions": int(iv.sum()), "per_1k": 1000 * float(iv.sum()) / max(n_steps, 1),
                "n_steps": n_steps, "recovery": math.nan, "first_action": math.nan}
         if r.onset >= 0:
@@ -281,39 +335,64 @@ def outcomes(ds: xr.Dataset, table: pd.DataFrame, *, collapse_excess: dict[str, 
 
 
 def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: dict[str, float],
-                **summarize_kw: Any) -> pd.DataFrame:
-    """:func:`outcomes` for an RL domain (the module docstring): per run of ``table``, notebook 01's
-    summary (:func:`.rl_comparison.summarize` with ``scale``, ``floors`` and ``summarize_kw``)
-    against the unperturbed uncontrolled fork of the same seed; steps are updates (rows)."""
-    summ = rl_comparison.summarize(ds, scale=scale, floors=floors, **summarize_kw).set_index("spec_hash")
+                horizon: float = math.inf, frac: float = 0.5, recover_frac: float = 0.8, final_points: int = 3,
+                min_after: int = 2) -> pd.DataFrame:
+    """:func:`outcomes` for an RL domain: every run of ``table`` against the unperturbed uncontrolled
+    fork of its prefix (the reference), both read at the same env steps
+    (:func:`.rl_outcomes.paired_outcome` with ``floors``, ``frac``, ``recover_frac``, ``final_points``,
+    ``min_after``) from the event (an unperturbed run: from the fork) over ``horizon`` env steps or
+    to the end of the pair's evaluations, whichever is shorter (``window``); a run that diverged is
+    at its floor after it stopped. ``collapse``: diverged, or collapsed in that window (NaN: no
+    verdict, with ``reason``); ``damage``: the return lost against the reference over its last
+    ``final_points`` common evaluations, as a fraction of ``scale`` (larger is worse, as the
+    losses' nats); ``final``: the mean of the last evaluation returns (NaN when diverged), for the
+    intrusiveness test; ``recovery`` in env steps; steps are updates (rows)."""
+    from stabstudy.analysis.studies import rl_outcomes as ro
+
+    summ = rl_comparison.summarize(ds, scale=scale, floors=floors, final_points=final_points).set_index("spec_hash")
+    index = {str(h): i for i, h in enumerate(ds.run.values)}
     ref = table[(table.controller == "none") & (table.event == "none")]
-    ref_of = {(r.domain, r.seed): i for i, r in ref.iterrows()}
+    ref_of = {(r.domain, r.prefix or r.seed): i for i, r in ref.iterrows()}
     rows = []
     for run, r in table.iterrows():
-        if run not in summ.index or (r.domain, r.seed) not in ref_of:
+        key = (r.domain, r.prefix or r.seed)
+        if run not in summ.index or key not in ref_of or ref_of[key] not in index:
             continue
-        m, rm = summ.loc[run], summ.loc[ref_of[(r.domain, r.seed)]]
+        m, h0 = summ.loc[run], ref_of[key]
         upd = np.isfinite(ds.lr.sel(run=run).values)  # the rows of updates this run made
         iv = np.nan_to_num(ds.intervened.sel(run=run).values)[upd]
         pert = np.nan_to_num(ds.perturbed.sel(run=run).values)[upd]
         diverged = m.status == "diverged"
-        fin = math.nan if diverged else float(m.final_return)
-        row = {"run": run, **r.to_dict(), "diverged": bool(diverged), "final": fin, "ref_final": float(rm.final_return),
-               "collapse": bool(diverged or m.collapsed == 1), "damage": (float(rm.final_return) - fin) / scale,
+        curve = rl_comparison.eval_curves(ds.isel(run=index[run])).isel(run=0)
+        rcurve = rl_comparison.eval_curves(ds.isel(run=index[h0])).isel(run=0)
+        event = float(r.onset if r.onset >= 0 else r.fork_at)
+        ends = [ro._pairs(c)[0] for c in ((rcurve,) if diverged else (rcurve, curve))]  # evaluated env steps
+        window = min(float(horizon), min(float(e[-1]) if e.size else -math.inf for e in ends) - event)
+        stop = rl_comparison._stop_env_step(ds, index[run]) if diverged else None
+        po = ro.paired_outcome(curve, rcurve, event, window, floor=float(floors.get(run, np.nan)), diverged_at=stop,
+                               frac=frac, recover_frac=recover_frac, final_points=final_points, min_after=min_after)
+        if run == h0:  # the reference itself: nothing to compare (its level against itself is 1 only above its floor)
+            po = {**po, "state": "reference", "collapsed": 0.0, "damage": 0.0, "reason": ""}
+        collapse = 1.0 if diverged else po["collapsed"]
+        row = {"run": run, **r.to_dict(), "diverged": bool(diverged),
+               "final": math.nan if diverged else float(m.final_return), "ref_final": float(summ.loc[h0].final_return),
+               "collapse": float(collapse), "damage": -float(po["damage"]) / scale, "state": po["state"],
+               "window": window, "reason": po["reason"],
                "interventions": int(iv.sum()), "per_1k": 1000 * float(iv.sum()) / max(int(upd.sum()), 1),
                "n_steps": int(upd.sum()), "recovery": math.nan, "first_action": math.nan}
         if r.onset >= 0 and pert.any():
             on = int(np.flatnonzero(pert)[0])
             after = np.flatnonzero(iv[on:] > 0)
             row["first_action"] = float(after[0]) if after.size else math.nan
-            row["recovery"] = {"never_left": 0.0, "recovered": float(m.recovery_time)}.get(m.recovery_state, math.nan)
+            row["recovery"] = {"no_drop": 0.0, "recovered": float(po["recovery_time"])}.get(po["state"], math.nan)
         rows.append(row)
     return pd.DataFrame(rows).set_index("run")
 
 
 def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: float = 0.05,
                  margin: float = 0.01) -> pd.DataFrame:
-    """Per domain, event and controller: collapses without / with (paired by seed) and the exact
+    """Per domain, event and controller: collapses without / with (paired by seed; in an RL domain
+    one fork per prefix and event, so the pairs are prefixes: ``unit``) and the exact
     McNemar p, mean paired damage difference (controlled minus uncontrolled) and its p, median
     recovery with / without, median steps from onset to the first action, false interventions per
     1,000 steps (unperturbed runs of the evaluation seeds) with a Clopper-Pearson interval, and the
@@ -335,6 +414,7 @@ def paired_table(out: pd.DataFrame, evaluation_seeds: Sequence[int], alpha: floa
             dm = C.paired_difference("", "our own", ge.damage.to_numpy(), b.damage.to_numpy(), direction="less",
                                      alpha=alpha)
             rows.append({"domain": domain, "event": event, "controller": ctrl, "pairs": len(ge),
+                         "unit": "prefix" if _has_prefix(ge) else "seed",
                          "collapse_without": int(b.collapse.sum()), "collapse_with": int(ge.collapse.sum()),
                          "mcnemar_p": mc.p, "damage_without": float(b.damage.mean()),
                          "damage_with": float(ge.damage.mean()), "damage_diff": dm.effect, "damage_p": dm.p,
@@ -361,27 +441,84 @@ def action_timing(paired: pd.DataFrame, event_steps: dict[str, int] | None = Non
 
 
 # -- claims -----------------------------------------------------------------------------------
+def _has_prefix(rows: pd.DataFrame) -> bool:
+    return "prefix" in rows and bool(len(rows)) and bool((rows["prefix"].fillna("") != "").all())
+
+
+def _any(x: pd.Series) -> float:
+    """1 when any fork collapsed, 0 when every fork has a verdict and none did, else NaN (no verdict)."""
+    v = x.to_numpy(float)
+    return 1.0 if (v == 1).any() else 0.0 if np.isfinite(v).all() else math.nan
+
+
+def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
+    """The units the claims count, from perturbed runs with a controller (``treated``) and their
+    twins (``control``: uncontrolled, or a comparator), paired on domain, event and seed. A run from
+    scratch (GPT, toy) is its own unit. In an RL domain the unit is the independently trained prefix
+    (column ``prefix``): its forks (one per event) share its training, so they are summarised into
+    one row per prefix, ``collapse_*`` 1 when any of its forks collapsed (NaN when none did and one
+    has no verdict), ``damage_*`` the mean over the forks where both twins have one. Columns: domain,
+    unit, forks, collapse_with / _without, damage_with / _without, damage_diff (of the unit) and
+    ``fork_diffs`` (the forks' paired damage differences, for :func:`.rl_outcomes.design_effect`)."""
+    key = ["domain", "event", "seed"]
+    t = treated.set_index(key)
+    c = control.set_index(key).reindex(t.index)
+    pairs = pd.DataFrame({"collapse_with": t.collapse.to_numpy(float), "collapse_without": c.collapse.to_numpy(float),
+                          "damage_with": t.damage.to_numpy(float), "damage_without": c.damage.to_numpy(float)},
+                         index=t.index).reset_index()
+    rl = t["prefix"].fillna("").ne("").to_numpy() if "prefix" in t else np.zeros(len(t), bool)
+    pairs["unit"] = np.where(rl, t["prefix"].to_numpy() if "prefix" in t else "",
+                             pairs.domain + " " + pairs.event + " seed " + pairs.seed.astype(str))
+    both = pairs.damage_with.notna() & pairs.damage_without.notna()
+    pairs["fork_diff"] = (pairs.damage_with - pairs.damage_without).where(both)
+    pairs.loc[~both, ["damage_with", "damage_without"]] = np.nan
+    g = pairs.groupby(["domain", "unit"], sort=False)
+    return pd.DataFrame({"forks": g.size(), "collapse_with": g.collapse_with.agg(_any),
+                         "collapse_without": g.collapse_without.agg(_any), "damage_with": g.damage_with.mean(),
+                         "damage_without": g.damage_without.mean(), "damage_diff": g.fork_diff.mean(),
+                         "fork_diffs": g.fork_diff.agg(list)}).reset_index()
+
+
+def _with_units(claim: C.Claim, units: pd.DataFrame) -> C.Claim:
+    """The claim's reason with its units where some unit summarises several forks (an RL prefix):
+    how many forks, and their design effect (:func:`.rl_outcomes.design_effect` of the forks' paired
+    damage differences within prefixes: how many forks are worth one independent prefix)."""
+    from stabstudy.analysis.studies import rl_outcomes as ro
+
+    forks = int(units.forks.sum())
+    if forks == len(units):  # every unit is one run: nothing summarised
+        return claim
+    diffs = [(d, u) for u, ds in zip(units.unit, units.fork_diffs, strict=True) for d in ds if np.isfinite(d)]
+    icc, deff = ro.design_effect([d for d, _ in diffs], [u for _, u in diffs])
+    return ro.replace_reason(claim, f"{claim.reason}; n = {claim.n} units of {forks} forks (an RL unit is a prefix, "
+                                    f"its forks at every event summarised); design effect {deff:.2f} (ICC {icc:.2f})")
+
+
 def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], budget: float,
            margin: float, comparators: Sequence[str] = ("clip1", "zclip", "olmo"), alpha: float = 0.05,
            ) -> list[C.Claim]:
     """The claims of notebook 05 for the controller ``primary``, every domain and event pooled
-    (pairs: domain, event, seed), and its damage per domain. "Beats" a comparator: smaller paired
-    damage on the same perturbed runs, the comparators calibrated to the same false-alarm budget
-    where they have a threshold (``name@published``: at the published one)."""
+    over units (:func:`unit_pairs`: a GPT or toy run, an RL prefix with its forks at every event
+    summarised), and its damage per domain (an RL domain's: Wilcoxon signed-rank over prefixes).
+    "Beats" a comparator: smaller paired damage on the same perturbed runs, the comparators
+    calibrated to the same false-alarm budget where they have a threshold (``name@published``: at
+    the published one)."""
     res: list[C.Claim] = []
     ctrl = out[out.controller == primary]
     base = out[out.controller == "none"]
-    key = ["domain", "event", "seed"]
-    pert, bpert = ctrl[ctrl.event != "none"].set_index(key), base[base.event != "none"].set_index(key)
-    bpert = bpert.reindex(pert.index)
-    res.append(C.paired_outcomes(f"{primary} prevents collapse (paired runs near the critical dose)", SOURCE,
-                                 pert.collapse.to_numpy(float), bpert.collapse.to_numpy(float), direction="less",
-                                 alpha=alpha))
-    for domain in pert.index.get_level_values("domain").unique():  # a domain where it fails is not pooled away
-        d = np.asarray(pert.index.get_level_values("domain") == domain)
-        res.append(C.paired_difference(f"{primary} reduces damage on {domain} (paired runs near the critical dose)",
-                                       SOURCE, pert.damage.to_numpy()[d], bpert.damage.to_numpy()[d],
-                                       direction="less", alpha=alpha))
+    pert, bpert = ctrl[ctrl.event != "none"], base[base.event != "none"]
+    units = unit_pairs(pert, bpert)
+    res.append(_with_units(C.paired_outcomes(f"{primary} prevents collapse (paired runs near the critical dose)",
+                                             SOURCE, units.collapse_with.to_numpy(float),
+                                             units.collapse_without.to_numpy(float), direction="less", alpha=alpha),
+                           units))
+    for domain in units.domain.unique():  # a domain where it fails is not pooled away
+        u = units[units.domain == domain]
+        rl = _has_prefix(pert[pert.domain == domain])
+        name = f"{primary} reduces damage on {domain} (paired {'prefixes' if rl else 'runs'} near the critical dose)"
+        res.append(_with_units(C.paired_difference(name, SOURCE, u.damage_with.to_numpy(), u.damage_without.to_numpy(),
+                                                   direction="less", alpha=alpha, test="wilcoxon" if rl else "ttest"),
+                               u))
     null = ctrl[(ctrl.event == "none") & ctrl.seed.isin(evaluation_seeds)]
     k, n = int(null.interventions.sum()), int(null.n_steps.sum())
     res.append(_selective(f"{primary} is selective: at most {budget:g} false interventions per 1,000 unperturbed "
@@ -391,13 +528,14 @@ def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], 
     res.append(_tost(f"{primary} is non-intrusive: unperturbed final loss (RL: return) within {margin:.0%} of the run without "
                      "it (TOST)", null.final.to_numpy(), ref.final.to_numpy(), margin, alpha))
     for comp in comparators:
-        other = out[(out.controller == comp) & (out.event != "none")].set_index(key).reindex(pert.index)
-        if other.empty or other.damage.isna().all():
+        other = out[(out.controller == comp) & (out.event != "none")]
+        vs = unit_pairs(pert, other) if len(other) else units.iloc[:0]
+        if vs.empty or vs.damage_without.isna().all():
             res.append(C.not_tested(f"{primary} beats {comp} (less damage)", "our own", f"no {comp} runs"))
             continue
-        res.append(C.paired_difference(f"{primary} beats {comp}: less damage on the same perturbed runs",
-                                       "our own", pert.damage.to_numpy(), other.damage.to_numpy(), direction="less",
-                                       alpha=alpha))
+        res.append(_with_units(C.paired_difference(f"{primary} beats {comp}: less damage on the same perturbed runs",
+                                                   "our own", vs.damage_with.to_numpy(), vs.damage_without.to_numpy(),
+                                                   direction="less", alpha=alpha), vs))
     return res
 
 
