@@ -108,3 +108,18 @@ def test_controlled_twins_continue_the_same_prefix():
     table = study.run_table(free + twins, prefix_of={s.spec_hash: forks.prefix_key(s).spec_hash for s in free + twins})
     assert table.prefix.nunique() == 1 and set(table.fork_at) == {256}
     assert np.all(table.prefix != "")
+
+
+def test_the_forks_come_from_notebook_01s_manifest(tmp_path, monkeypatch):
+    from stabstudy.learners.rl import forks
+    from stabstudy.run import grids
+
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
+    ran = [_fork(seed=s, dose=d) for s in (0, 1, 2) for d in (None, 10.0, 100.0)]
+    assert grids.load_grid("01_rl_algorithm_comparison", "smoke") is None  # the notebook then builds its own
+    grids.save_grid("01_rl_algorithm_comparison", "smoke", {"prefixes": forks.prefix_specs(ran), "lr_spike": ran})
+    g = grids.load_grid("01_rl_algorithm_comparison", "smoke")
+    free = study.forks_of(g.specs("lr_spike"), "ppo", [["lr_spike", 100.0]], {"n_steps": 64})
+    assert len(free) == 6 and forks.prefix_specs(free) == g.specs("prefixes")
+    twins = study.with_controllers(free, ["z_skip"], {"z": 6.0})
+    assert forks.prefix_specs(twins) == g.specs("prefixes")  # the same three independent prefixes

@@ -39,7 +39,6 @@ prefix, not the fork (:func:`unit_pairs`): forks of one prefix at several doses 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -163,7 +162,7 @@ def with_controllers(specs: Sequence[RunSpec], controllers: Sequence[str], thres
         h = {**(controller_hp or {}), **(per_controller or {}).get(name, {}), "controller": name}
         if name in CALIBRATED:
             h["controller_threshold"] = WATCH if thresholds is None else float(thresholds[CALIBRATED[name]])
-        out += [dataclasses.replace(s, hparams={**s.hp, **h}) for s in specs]
+        out += [s.replace(hparams={**s.hp, **h}) for s in specs]
     return out
 
 
