@@ -36,6 +36,11 @@ def test_learning_horizon_is_where_the_prefix_reached_80_percent_of_its_gain():
 def test_outcomes_are_read_against_the_control_at_the_same_env_step(treated, state, damage):
     res = O.paired_outcome(curve(treated), CONTROL, EVENT, H, floor=0.0)
     assert res["state"] == state and res["damage"] == pytest.approx(damage)
+    # where the drop is first seen against the control: the event's evaluation here; none without a drop
+    if state == "no_drop":
+        assert np.isnan(res["onset"])
+    else:
+        assert res["onset"] == EVENT
     if state == "recovered":
         assert res["recovery_time"] == 4000.0
     else:
@@ -55,6 +60,8 @@ def test_a_run_compared_with_its_own_past_would_hide_what_the_control_shows():
 
 def test_the_horizon_decides_irreversible():
     slow = curve(np.where(STEPS < EVENT, 1000.0, np.clip((STEPS - EVENT) / 10, 0, 1000)))  # back by 15000
+    late = curve(np.where(STEPS < 8000, 1000.0, 100.0))  # drops three evaluations after the event
+    assert O.paired_outcome(late, CONTROL, EVENT, H, floor=0.0)["onset"] == 8000.0
     assert O.paired_outcome(slow, CONTROL, EVENT, 4000.0, floor=0.0)["state"] == "collapsed"
     assert O.paired_outcome(slow, CONTROL, EVENT, H, floor=0.0)["state"] == "recovered"
 
@@ -64,6 +71,7 @@ def test_a_run_that_diverged_at_the_spike_is_at_its_floor_after_it_never_its_pre
     stopped = curve(np.full(before.sum(), 1000.0), STEPS[before])  # evaluations end at the spike
     res = O.paired_outcome(stopped, CONTROL, EVENT, H, floor=-300.0, diverged_at=EVENT)
     assert res["state"] == "collapsed" and res["damage"] == pytest.approx(-1300.0)
+    assert EVENT < res["onset"] < EVENT + 1  # just after it stopped, not at its last (pre-spike) evaluation
     # the same run not marked diverged ends before the horizon: no verdict, never "no damage"
     res = O.paired_outcome(stopped, CONTROL, EVENT, H, floor=-300.0)
     assert res["state"] == "no_verdict" and np.isnan(res["damage"]) and "treated" in res["reason"]

@@ -113,10 +113,12 @@ def paired_outcome(treated: Any, control: Any, event: float, horizon: float, *, 
     diverge) ends before ``event + horizon``, or too few points follow the event. A treated run
     that diverged (``diverged_at``) is at its floor after it stopped: ``min(floor, its worst
     return)``. ``damage``: treated - control, mean of the last ``final_points`` common points.
+    ``onset``: the env step of the first point in the window whose level is below ``frac`` (where a
+    collapse is first seen against the control; NaN for ``no_drop`` and ``no_verdict``).
     """
     end = float(event) + float(horizon)
     out = {"state": "no_verdict", "collapsed": np.nan, "recovery_time": np.nan, "damage": np.nan,
-           "min_level": np.nan, "end": end, "reason": ""}
+           "min_level": np.nan, "onset": np.nan, "end": end, "reason": ""}
     if not np.isfinite(end):
         return {**out, "reason": "no horizon"}
     cs, cv = _pairs(control)
@@ -142,6 +144,7 @@ def paired_outcome(treated: Any, control: Any, event: float, horizon: float, *, 
     out.update(damage=float(np.mean(t[-final_points:] - c[-final_points:])), min_level=float(level.min()))
     if not below.any():
         return {**out, "state": "no_drop", "collapsed": 0.0}
+    out["onset"] = float(grid[np.argmax(below)])
     if (level[-min_after:] >= recover_frac).all():
         back = level >= recover_frac
         last_bad = np.flatnonzero(~back)[-1]
