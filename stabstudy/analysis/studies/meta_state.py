@@ -36,6 +36,11 @@ LOSS = "loss robust z (performance)"
 #: Specificity targets: which outcome classes (:data:`stabstudy.analysis.warning.outcomes.OUTCOMES`) count.
 TARGETS: dict[str, tuple[str, ...]] = {"explodes": ("explodes",),
                                        "lasting damage": ("explodes", "silently degrades")}
+#: Event families the sensitivity claims ask about (:data:`stabstudy.analysis.warning.evaluation.FAMILY`).
+FAMILIES: tuple[str, ...] = ("slow-onset", "shock", "spontaneous")
+#: The channels every domain's meta-state reads, whose pre-onset directions the cross-domain claim compares.
+SHARED_CHANNELS: tuple[str, ...] = ("grad_norm", "xgrad", "update_ratio/lr", "update_grad_cos", "adam_m_norm",
+                                    "adam_v_mean")
 
 
 def grid(steps: int, seeds: Sequence[int], *, ramp_start: int, ramps: Sequence[Sequence[float]],
@@ -159,32 +164,58 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
             null: Sequence[str] | None = None) -> MetaStudy:
     """The whole comparison of notebook 04 on loaded runs ``ds`` (dims run, step).
 
-    1. labels from the loss alone (``rule``); 2. run table with the seed split; 3. meta-state PCA
-    fitted on in-control steps of the *unperturbed* calibration runs; 4. every detector of
-    :func:`stabstudy.analysis.warning.evaluation.suite` streamed over every run; 5. thresholds at
-    ``budget`` false alarms per 1,000 steps on the unperturbed calibration runs, evaluation on the
-    others (*sensitivity*); 6. per event family, the best single-channel (knob-free) detector and
-    the best meta-state statistic chosen on the *calibration* events (largest mean penalised
-    lead); 7. pairwise Wilcoxon tests of those meta-state statistics against every detector
-    (Holm); 8. outcome classes against the unperturbed ensemble (``outcome_rule``); 9. *collapse
-    specificity* among perturbed runs, per target of :data:`TARGETS`, the detectors chosen by
-    their calibration AUC; 10. held-out kinds (:func:`held_out_kinds`).
+    1. labels from the loss alone (``rule``); 2. run table with the seed split; 3. outcome classes
+    against the unperturbed ensemble (``outcome_rule``); then :func:`analyse_labelled` (the meta-state,
+    every detector, sensitivity, specificity, held-out kinds).
 
-    Nothing of a perturbed run enters a threshold or the PCA, so both are blind to every kind.
     ``null`` names the unperturbed runs when the default (:func:`stabstudy.analysis.warning.evaluation.run_info`)
     does not fit, e.g. a spontaneous family whose null is another configuration.
     """
-    config = config or MetaConfig()
-    kinds = kinds_of(specs)
-    burn_in = rule.burn_in
     labels = label_runs(ds, rule)
     info = E.run_info(ds, labels, calibration_seeds)
     if null is not None:
         info["null"] = info.index.isin(list(null))
+    cal_null = E.null_runs(info, "calibration")
+    outcomes = O.classify(ds, info, cal_null.index, outcome_rule or O.OutcomeRule(burn_in=rule.burn_in))
+    return analyse_labelled(ds, info, kinds_of(specs), burn_in=rule.burn_in, outcomes=outcomes,
+                            meta_features=meta_features, config=config, n_components=n_components, budget=budget,
+                            horizon=horizon, late=late, n_boot=n_boot, seed=seed)
+
+
+def analyse_labelled(ds: xr.Dataset, info: pd.DataFrame, kinds: Sequence[str], *, burn_in: int,
+                     outcomes: pd.DataFrame, targets: dict[str, tuple[str, ...]] | None = None,
+                     families: Sequence[str] = FAMILIES, meta_features: Sequence[str] = F.LM_CHANNELS,
+                     config: MetaConfig | None = None, n_components: int | float = 0.9, budget: float = 1.0,
+                     horizon: int = 100, late: int = 20, n_boot: int = 1000, seed: int = 0,
+                     pairwise: bool = True, replay: bool = False) -> MetaStudy:
+    """The comparison on runs already labelled: ``info`` (rows of
+    :func:`stabstudy.analysis.warning.evaluation.run_info`: event, onset, split, null, ...) and
+    ``outcomes`` (index run, column ``outcome``; ``targets`` says which outcomes each specificity
+    target counts, default :data:`TARGETS`). Steps count rows of ``ds``; ``kinds``: the perturbation
+    kinds in play (the leakage guard); ``families``: the event families the sensitivity claims ask about.
+
+    1. meta-state PCA fitted on in-control steps of the *unperturbed* calibration runs; 2. every
+    detector of :func:`stabstudy.analysis.warning.evaluation.suite` streamed over every run; 3.
+    thresholds at ``budget`` false alarms per 1,000 steps on the unperturbed calibration runs,
+    evaluation on the others (*sensitivity*); 4. per event family, the best single-channel
+    (knob-free) detector and the best meta-state statistic chosen on the *calibration* events
+    (largest mean penalised lead); 5. pairwise Wilcoxon tests of those meta-state statistics against
+    every detector (Holm); 6. *collapse specificity* among perturbed runs, per target, the detectors
+    chosen by their calibration AUC; 7. held-out kinds (:func:`held_out_kinds`).
+
+    Nothing of a perturbed run enters a threshold or the PCA, so both are blind to every kind.
+    ``pairwise=False`` leaves step 5 out (an empty table): with few events scipy's Wilcoxon test
+    enumerates every sign flip, a second per pair of detectors. ``replay=True`` computes the meta-state
+    with the vectorised replay (:func:`stabstudy.analysis.warning.evaluation.meta_replay`, equal to the
+    stream to 1e-9), for many long runs.
+    """
+    config = config or MetaConfig()
+    targets = dict(TARGETS if targets is None else targets)
+    kinds = tuple(kinds)
     cal = info[info.split == "calibration"]
     cal_null = E.null_runs(info, "calibration")
     pca = E.fit_meta(ds, cal_null, meta_features, config, kinds, burn_in, horizon, n_components)
-    meta = E.meta_streams(ds, meta_features, pca, config, kinds)
+    meta = (E.meta_replay if replay else E.meta_streams)(ds, meta_features, pca, config, kinds)
     dspecs = E.suite(kinds, meta_features, window=config.window, ewma=config.ewma, clip=config.clip,
                      lambda_max=bool(np.isfinite(ds["lambda_max"].values).any()) if "lambda_max" in ds else False)
     scores = E.score_runs(ds, dspecs, meta)
@@ -194,12 +225,11 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     singles = [s.name for s in dspecs if s.family == "single"]
     metas = [s.name for s in dspecs if s.family == "meta"]
     best_single, best_meta = choose(cal, cal_leads, singles, metas, late)
-    pw = E.pairwise(ev.leads, metas, late)
-    outcomes = O.classify(ds, info, cal_null.index, outcome_rule or O.OutcomeRule(burn_in=burn_in))
+    pw = E.pairwise(ev.leads, metas, late) if pairwise else pd.DataFrame()
     spec_tables, spec_choice, spec_diffs = {}, {}, {}
     pert = info[info.kind != "none"]
-    for target, classes in TARGETS.items():
-        y = outcomes.outcome.isin(classes)
+    for target, classes in targets.items():
+        y = outcomes.outcome.reindex(info.index).isin(classes)
         windows = S.window_scores(scores, info, S.spans(pert[pert.split == "calibration"], y))
         on_cal = S.separation(windows.loc[pert[pert.split == "calibration"].index], info, y, ev.thresholds,
                               singles + metas, n_boot=0)
@@ -213,6 +243,7 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     ho = held_out_kinds(info, cal_leads, ev.leads, singles, metas, late)
     step_t, step_leads = step_count(info, late, horizon, burn_in)
     params = {"budget": budget, "horizon": horizon, "late": late, "burn_in": burn_in, "kinds": kinds,
+              "targets": targets, "families": tuple(families),
               "step_count_at": step_t, "step_count_leads": step_leads,
               "n_null_calibration": len(cal_null), "n_null_evaluation": len(E.null_runs(info, "evaluation")),
               **clip_bounds(pca, config)}
@@ -396,7 +427,7 @@ def sensitivity_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
     out = []
     evs = info[(info.split == "evaluation") & info.event]
     pen = E.penalised(ev.leads, late)
-    for fam in ("slow-onset", "shock", "spontaneous"):
+    for fam in study.params.get("families", FAMILIES):
         idx = evs[evs.family == fam].index
         claim = f"the meta-state warns earlier than the best single channel at the same false-alarm budget ({fam} events)"
         if len(idx) == 0:
@@ -439,7 +470,7 @@ def specificity_claims(study: MetaStudy) -> list[C.Claim]:
     A target that no evaluation run (or every one) reaches is "not tested".
     """
     out = []
-    for target in TARGETS:
+    for target in study.params.get("targets", TARGETS):
         tab = study.specificity.get(target)
         where = f"(perturbed runs, outcome: {target})"
         if tab is None or tab.empty or not (tab.n_pos.iloc[0] and tab.n_neg.iloc[0]):
@@ -471,19 +502,47 @@ def held_out_claims(study: MetaStudy, alpha: float = 0.05) -> list[C.Claim]:
             for r in study.held_out.itertuples()] if len(study.held_out) else []
 
 
-def cross_domain(a: MetaStudy, b: MetaStudy, names: tuple[str, str], *, window: int, n_boot: int = 1000,
+def _studies(x: MetaStudy | Sequence[MetaStudy]) -> list[MetaStudy]:
+    return [x] if isinstance(x, MetaStudy) else list(x)
+
+
+def domain_directions(studies: MetaStudy | Sequence[MetaStudy], features: Sequence[str], window: int) -> pd.DataFrame:
+    """Every labelled event's pre-onset direction (:func:`stabstudy.analysis.warning.crossdomain.pre_onset_directions`)
+    of one domain. A domain of several studies (RL: one per algorithm) pools their events; each
+    study's seeds are kept apart (``<k>:<seed>``), since the prefix of one algorithm is another
+    independent unit than the same seed of another."""
+    studies = _studies(studies)
+    if len(studies) == 1:
+        return X.pre_onset_directions(studies[0].meta, studies[0].info, features, window)
+    parts = [X.pre_onset_directions(s.meta, s.info, features, window) for s in studies]
+    parts = [d.assign(seed=[f"{k}:{u}" for u in d.seed]) for k, d in enumerate(parts)]
+    return pd.concat(parts) if parts else pd.DataFrame(columns=[*features, "seed"])
+
+
+def cross_domain(a: MetaStudy | Sequence[MetaStudy], b: MetaStudy | Sequence[MetaStudy], names: tuple[str, str], *,
+                 window: int, features: Sequence[str] | None = None, n_boot: int = 1000,
                  seed: int = 0) -> tuple[pd.DataFrame, C.Claim]:
     """The cross-domain claim (:mod:`stabstudy.analysis.warning.crossdomain`): the channels both
     meta-states read depart in the same direction before an event in both domains (every labelled
-    event of either split; no choice is made on them). Returns each domain's mean pre-onset
-    direction (rows: domain; columns: channel) and the claim."""
-    feats = [f for f in a.pca.features if f in b.pca.features]
-    da, db = (X.pre_onset_directions(s.meta, s.info, feats, window) for s in (a, b))
+    event of either split; no choice is made on them). ``a``, ``b``: a domain's study, or its
+    studies pooled (:func:`domain_directions`); ``features``: the channels to compare (default: all
+    those every study reads; those some study lacks are left out). Returns each domain's mean
+    pre-onset direction (rows: domain; columns: channel, and ``events``) and the claim; a domain
+    without studies or events makes the claim "not tested"."""
+    sa, sb = _studies(a), _studies(b)
+    pool = [*sa, *sb]
+    cand = features if features is not None else (pool[0].pca.features if pool else ())
+    feats = [f for f in cand if all(f in s.pca.features for s in pool)]
+    text = (f"the channels {names[0]} and {names[1]} share ({', '.join(feats)}) depart in the same direction "
+            f"before an event in both (cosine of the mean pre-onset z, against every matching of the channels)")
+    if not sa or not sb or len(feats) < 2:
+        why = (f"no {names[0] if not sa else names[1]} study" if not sa or not sb
+               else f"fewer than 2 shared channels ({', '.join(feats) or 'none'})")
+        return pd.DataFrame(columns=[*feats, "events"]), C.not_tested(text, SOURCE, why)
+    da, db = (domain_directions(s, feats, window) for s in (sa, sb))
     r = X.similarity(da, db, feats, n_boot=n_boot, seed=seed)
-    claim = C.from_p(f"the channels {names[0]} and {names[1]} share ({', '.join(feats)}) depart in the same direction "
-                     f"before an event in both (cosine of the mean pre-onset z, against every matching of the channels)",
-                     SOURCE, r["cos"], (r["ci_low"], r["ci_high"]), r["n"], p_for=r["p_greater"], p_against=r["p_less"],
-                     test="exact permutation of channels; seed bootstrap")
+    claim = C.from_p(text, SOURCE, r["cos"], (r["ci_low"], r["ci_high"]), r["n"], p_for=r["p_greater"],
+                     p_against=r["p_less"], test="exact permutation of channels; seed bootstrap")
     dirs = pd.DataFrame([da[feats].mean(), db[feats].mean()], index=list(names))
     return dirs.assign(events=[r["n_a"], r["n_b"]]), claim
 
