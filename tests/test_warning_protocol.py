@@ -177,6 +177,21 @@ def test_specificity_interval_resamples_seeds_not_runs():
     assert c.verdict == "inconclusive"
 
 
+def test_specificity_auc_is_scikit_learns():
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(0)
+    for n in (5, 40):
+        score = np.round(rng.standard_normal(n), 1)  # ties
+        score[:2] = [np.inf, np.nan]
+        y = rng.random(n) < 0.4
+        y[:3] = [True, True, False]
+        ok = ~np.isnan(score)
+        want = roc_auc_score(y[ok], np.clip(score[ok], -np.finfo(float).max, np.finfo(float).max))
+        assert S._auc(score, y) == pytest.approx(want, abs=1e-12)
+    assert np.isnan(S._auc(np.ones(4), np.ones(4, bool)))
+
+
 def test_interval_above_passes_fails_and_goes_untested():
     ok = C.interval_above("c", "our own", 0.9, (0.8, 1.0), 6, above=0.5, test="AUC")
     bad = C.interval_above("c", "our own", 0.3, (0.2, 0.45), 6, above=0.5, test="AUC")

@@ -57,12 +57,18 @@ def window_scores(scores: xr.DataArray, info: pd.DataFrame, span: dict[str, int]
 
 
 def _auc(score: np.ndarray, y: np.ndarray) -> float:
-    from sklearn.metrics import roc_auc_score
-
+    """ROC-AUC of ``score`` for labels ``y``, NaN scores dropped: scikit-learn's ``roc_auc_score`` (a tie
+    counts one half) as the Mann-Whitney statistic from average ranks, a hundred times faster inside
+    a bootstrap."""
     ok = ~np.isnan(score)
     big = np.finfo(float).max
-    score, y = np.clip(score[ok], -big, big), y[ok]
-    return float(roc_auc_score(y, score)) if 0 < y.sum() < y.size else np.nan
+    score, y = np.clip(score[ok], -big, big), np.asarray(y[ok], dtype=bool)
+    n1 = int(y.sum())
+    n0 = y.size - n1
+    if not (n1 and n0):
+        return np.nan
+    r = sps.rankdata(score)
+    return float((r[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
 def _by_seed(seeds: np.ndarray, units: np.ndarray) -> np.ndarray:
