@@ -554,7 +554,8 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
     and meta-state threshold on the drawn seeds' unperturbed runs, re-chooses the best detectors on
     their events, and re-scores the evaluation runs (Holm within the sensitivity claims, as for the
     point verdict here). Columns: ``claim`` (as at the point estimate), ``verdict``, ``same`` (share
-    of resamples with that verdict), ``n_resamples``.
+    of resamples with that verdict), ``n_resamples``. Resamples that draw the same seeds (in any order)
+    share one computation: with one calibration seed every resample is the point estimate.
     """
     info, p, sc = study.info, study.params, study.scores
     late, horizon, burn_in, budget = p["late"], p["horizon"], p["burn_in"], p["budget"]
@@ -574,8 +575,13 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
     rng = np.random.default_rng(seed)
     seeds = np.unique(cal.seed)
     same = np.zeros(len(base))
+    seen: dict[tuple, np.ndarray] = {}  # the verdicts depend on the drawn seeds, not on their order
     for _ in range(n_resamples):
         draw = rng.choice(seeds, size=seeds.size, replace=True)
+        key = tuple(sorted(draw.tolist()))
+        if key in seen:
+            same += seen[key]
+            continue
         nulls = [r for u in draw for r in cal_null.index[cal_null.seed == u]]
         thr = pd.Series({d: E.threshold_for(*(np.concatenate([pairs[d, r][i] for r in nulls]) for i in (0, 1)),
                                             sum(pairs[d, r][2] for r in nulls), budget) if nulls else np.inf
@@ -596,8 +602,8 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
         b = replace(study, evaluation=replace(study.evaluation, thresholds=thr, leads=leads,
                                               fa_runs=fa.loc[~ev_null.event.to_numpy()]),
                     best_single=best_single, best_meta=best_meta)
-        verdicts = C.table(sensitivity_claims(b)).verdict.to_numpy()
-        same += verdicts == base.verdict.to_numpy()
+        seen[key] = C.table(sensitivity_claims(b)).verdict.to_numpy() == base.verdict.to_numpy()
+        same += seen[key]
     return pd.DataFrame({"claim": base.claim, "verdict": base.verdict, "same": same / max(n_resamples, 1),
                          "n_resamples": n_resamples})
 
