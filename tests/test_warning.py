@@ -322,10 +322,11 @@ def test_lr_ramp_climbs_geometrically_then_holds():
     assert sched.mask(np.arange(20)).tolist() == [0.0] * 10 + [1.0] * 4 + [0.0] * 6  # `perturbed` marks the climb
     both = Schedule([Perturbation("lr_ramp", 0, 2, dose=4.0), Perturbation("lr_spike", 5, 1, dose=10.0)])
     assert both.lr_factor(5) == pytest.approx(40.0)
-    assert set(KINDS["lr_ramp"].domains) == {"toy", "lm"}
+    assert set(KINDS["lr_ramp"].domains) == {"toy", "lm", "rl"}
     RunSpec("lm", "gpt", "stdlib", 50, 0, perturbations=(Perturbation("lr_ramp", 10, 20, dose=10.0),))
-    with pytest.raises(ValueError, match="lr_ramp"):
-        RunSpec("rl", "ppo", "Pendulum-v1", 50, 0, perturbations=(Perturbation("lr_ramp", 10, 20, dose=10.0),))
+    RunSpec("rl", "ppo", "Pendulum-v1", 50, 0, perturbations=(Perturbation("lr_ramp", 10, 20, dose=10.0),))
+    with pytest.raises(ValueError, match="lr_ramp"):  # not a kind of the sequence learners
+        RunSpec("seq", "lstm", "adding", 50, 0, perturbations=(Perturbation("lr_ramp", 10, 20, dose=10.0),))
 
 
 def test_grid_shares_notebook_02_runs():
