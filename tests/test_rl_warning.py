@@ -184,6 +184,10 @@ def test_the_meta_state_warns_before_a_drop_it_can_see(warned):
     assert not [c for c in v.index if "spontaneous" in c]  # the RL family asks about its own event families
     s = W.summary({"sac": warned}).loc["sac"]
     assert s["shock events"] == "9/18" and s["collapsed"] == 18 and s["prefixes cal/eval"] == "3/6"
+    sens, spec = W.tables({"sac": warned, "td3": W.RLWarning("td3", *(pd.DataFrame(),) * 3, None, "why")})
+    assert set(sens.learner) == {"sac"} and set(sens.events) == {"all", *W.FAMILIES}
+    assert (sens[sens.events == "shock"].detected.str.endswith("/6")).all() and (sens.null == 6).all()
+    assert set(spec.target) == set(W.TARGETS) and (spec[spec.detector != M.LOSS].prefixes == 6).all()
 
 
 def test_the_meta_state_neither_warns_nor_tells_collapsing_forks_when_the_channels_move_in_the_others(misled):
@@ -274,6 +278,8 @@ def test_a_tiny_real_pendulum_fork_grid_runs_through_the_rl_analysis(tmp_path, m
         assert env[int(x.start)] >= 280 > env[int(x.start) - 1]  # the perturbation's env step: 200 + lead 80
     assert r.study is not None, r.reason  # the protocol ran (the seed-0 ramp collapses, CPU runs are deterministic)
     assert set(r.study.info.index) == set(r.runs.index) and r.study.params["families"] == W.FAMILIES
+    # one calibration prefix: every resample of it recalibrates to the point estimate
+    assert (M.verdict_stability(r.study, n_resamples=5).same == 1.0).all()
     out = W.claims({"sac": r})
     assert out and all(c.claim.startswith("RL SAC: ") for c in out)
     assert {c.verdict for c in out} <= {"supported", "not supported", "inconclusive", "not tested"}

@@ -274,6 +274,42 @@ def studies(results: Mapping[str, RLWarning]) -> list[M.MetaStudy]:
     return [r.study for r in results.values() if r.study is not None]
 
 
+def tables(results: Mapping[str, RLWarning]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The sensitivity and specificity rows per algorithm (learners whose protocol ran).
+
+    Sensitivity: per learner and event family (and ``all``), the meta-state statistic and the single
+    channel chosen on the calibration events and the loss, with ``detected`` (k/n evaluation events),
+    ``lead`` (median [bootstrap interval], rows), ``FA/1k`` (false alarms per 1,000 event-free rows
+    of the evaluation control forks) and ``null`` (their number: the independent unit). Specificity:
+    per learner and target, the detectors chosen on calibration AUC and the loss: ``AUC`` [seed
+    bootstrap], ``precision``, ``recall``, ``pos/neg`` (forks) and ``prefixes``.
+    """
+    sens, spec = [], []
+    for a, r in results.items():
+        s = r.study
+        if s is None:
+            continue
+        t = s.evaluation.table.set_index(["detector", "events"])
+        for fam in ("all", *FAMILIES):
+            chosen = (s.best_meta.get(fam), s.best_single.get(fam), M.LOSS)
+            for role, det in zip(("meta-state", "single channel", "training loss"), chosen, strict=True):
+                if det is None or (det, fam) not in t.index:
+                    continue
+                x = t.loc[(det, fam)]
+                sens.append({"learner": a, "events": fam, "role": role, "detector": det,
+                             "detected": f"{int(x.n_detected)}/{int(x.n_events)}",
+                             "lead": f"{x.lead_median:.0f} [{x.lead_lo:.0f}, {x.lead_hi:.0f}]"
+                             if np.isfinite(x.lead_median) else "-",
+                             "FA/1k": round(float(x.fa_per_1k), 2), "null": int(x.n_null)})
+        for target, tab in s.specificity.items():
+            for det, x in tab.iterrows():
+                spec.append({"learner": a, "target": target, "detector": det,
+                             "AUC": f"{x.auc:.2f} [{x.auc_lo:.2f}, {x.auc_hi:.2f}]" if np.isfinite(x.auc) else "-",
+                             "precision": x.precision, "recall": x.recall, "pos/neg": f"{int(x.n_pos)}/{int(x.n_neg)}",
+                             "prefixes": int(x.n_seeds)})
+    return pd.DataFrame(sens), pd.DataFrame(spec)
+
+
 def summary(results: Mapping[str, RLWarning]) -> pd.DataFrame:
     """One row per learner: forks analysed and left out, prefixes (calibration / evaluation), control
     forks (the null: calibration / evaluation), events per family, outcomes, rows per fork, rows
