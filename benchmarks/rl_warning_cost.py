@@ -1,0 +1,87 @@
+"""Wall time of notebook 04's RL analysis (:func:`stabstudy.analysis.studies.rl_warning.analyse`) for one learner.
+
+The forks are constructed, sized like notebook 01's quick grid: per prefix (seed) a control, five lr
+spikes and two lr ramps, ``--rows`` Monitor rows each (quick: about 1,200 for SAC and TD3, whose
+Monitor measures every 5th of ~6,000 updates, 640 for PPO); half the perturbed forks drop to a
+tenth of the control's return after the perturbation. The analysis is notebook 04's: every detector
+streamed, the meta-state replayed, sensitivity, specificity and the held-out kinds, with the
+notebook's bootstrap sizes; then the verdict stability (calibration-seed resamples). One thread, as on a study worker.
+
+    OMP_NUM_THREADS=1 python benchmarks/rl_warning_cost.py [--seeds 3] [--rows 1200] [--n-boot 1000] [--resamples 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import xarray as xr
+
+from stabstudy.analysis.studies import meta_state as M
+from stabstudy.analysis.studies import rl_warning as W
+from stabstudy.online import MetaConfig
+
+EVERY, EVAL = 5, 500  # Monitor cadence (updates) and evaluation cadence (env steps), notebook 01's quick SAC
+
+
+def forks(seeds: int, rows: int, seed: int = 0) -> tuple[xr.Dataset, xr.Dataset, dict[str, str]]:
+    """Constructed forks of one learner (one update per env step), their prefixes and ``prefix_of``."""
+    rng = np.random.default_rng(seed)
+    p_env, n = 70_000, rows * EVERY
+    upd = np.arange(p_env, p_env + n + 1)
+    start = p_env + 1000
+    runs, pre = [], []
+    for s in range(seeds):
+        for k, (kind, dose) in enumerate([("none", np.nan)] + [("lr_spike", d) for d in (3, 10, 30, 100, 300)]
+                                         + [("lr_ramp", d) for d in (3, 30)]):
+            data = {c: 10 ** (0.05 * rng.standard_normal(upd.size)) for c in ("grad_norm", "update_norm",
+                                                                               "update_ratio", "adam_m_norm", "adam_v_mean")}
+            data |= {c: 0.5 + 0.05 * rng.standard_normal(upd.size) for c in ("xgrad", "update_grad_cos")}
+            data["lr"] = np.where((upd >= start) & (kind != "none"), 3e-4 * (dose if kind != "none" else 1), 3e-4)
+            for c in ("update_norm", "update_ratio", "xgrad", "update_grad_cos", "adam_m_norm", "adam_v_mean"):
+                data[c][(upd - p_env) % EVERY != 0] = np.nan
+            perf = np.where((upd - p_env) % EVAL == 0, 3000.0 + 30 * rng.standard_normal(upd.size), np.nan)
+            if kind != "none" and k % 2:
+                perf[upd >= start + 1500] = 300.0
+            data |= {"perf": perf, "loss": np.full(upd.size, np.nan)}
+            h = f"{kind}{dose}s{s}"
+            ds = xr.Dataset({c: ("step", v) for c, v in data.items()}, coords={"step": upd})
+            runs.append(ds.assign_coords(env_step=("step", upd.astype(float))).expand_dims(run=[h]).assign_coords(
+                spec_hash=("run", [h]), learner=("run", ["sac"]), seed=("run", [s]), pert_kind=("run", [kind]),
+                pert_dose=("run", [dose]), pert_start=("run", [np.nan if kind == "none" else float(start)]),
+                pert_duration=("run", [np.nan if kind == "none" else 2048.0]), status=("run", ["ok"]),
+                hp_prefix_steps=("run", [float(p_env)])))
+        env = np.arange(0, p_env + 1, 5000, dtype=float)
+        pre.append(xr.Dataset({"perf": ("step", np.minimum(-300 + env / 10, 3000.0))}, coords={"step": env.astype(int)})
+                   .assign_coords(env_step=("step", env)).expand_dims(run=[f"pre{s}"]).assign_coords(
+                       spec_hash=("run", [f"pre{s}"]), learner=("run", ["sac"]), seed=("run", [s]),
+                       pert_kind=("run", ["none"]), pert_start=("run", [np.nan]), status=("run", ["ok"])))
+    fork = xr.concat(runs, dim="run")
+    prefix_of = {str(h): f"pre{int(s)}" for h, s in zip(fork.run.values, fork.seed.values, strict=True)}
+    return fork, xr.concat(pre, dim="run"), prefix_of
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3, help="prefixes (notebook 01 quick: 3)")
+    ap.add_argument("--rows", type=int, default=1200, help="Monitor rows per fork")
+    ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (notebook 04 quick: 1000)")
+    ap.add_argument("--resamples", type=int, default=200, help="calibration resamples (notebook 04 quick: 200)")
+    args = ap.parse_args()
+    fork, pre, prefix_of = forks(args.seeds, args.rows)
+    t0 = time.perf_counter()
+    horizon = {"sac": float(args.rows * EVERY - 1000 - EVAL)}  # every fork reaches the event + H
+    r = W.analyse(fork, pre, prefix_of, calibration_seeds=[0], horizon=horizon, n_boot=args.n_boot,
+                  config=MetaConfig(window=64, min_periods=16, corr_window=32))
+    dt = time.perf_counter() - t0
+    print(f"{fork.sizes['run']} forks x {r.rows} rows: rl_warning.analyse {dt:.1f} s "
+          f"({'protocol ran' if r.study is not None else 'not run: ' + r.reason})")
+    if r.study is not None:
+        t0 = time.perf_counter()
+        M.verdict_stability(r.study, n_resamples=args.resamples, seed=0)
+        print(f"verdict_stability ({args.resamples} resamples): {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
