@@ -141,6 +141,9 @@ def test_labels_come_from_the_paired_control_and_onsets_from_the_first_evaluatio
     fork, pre, prefix_of = _grid([0], shift=None, drops=START + 175)
     pair, horizon = W.paired(fork, pre, prefix_of, horizon=H)
     assert horizon == H
+    # without a horizon for this learner it comes from the prefixes: the first evaluation at 80% of their gain
+    assert W.paired(fork, pre, prefix_of)[1] == W.paired(fork, pre, prefix_of, horizon={})[1] == {"sac": 1750.0}
+    assert W.paired(fork, pre, prefix_of, horizon={"td3": 1.0})[1] == {"sac": 1750.0, "td3": 1.0}
     states = pair.set_index("spec_hash").state
     assert states["lr_spike30s0"] == "collapsed" and states["lr_spike10s0"] == "no_drop"
     assert pair.set_index("spec_hash").onset["lr_spike30s0"] == START + 200  # the evaluation after the drop

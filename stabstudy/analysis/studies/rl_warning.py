@@ -110,8 +110,12 @@ def paired(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, s
     """Every perturbed fork of ``fork_ds`` against its control (notebook 01's
     :func:`~stabstudy.analysis.studies.rl_outcomes.paired_table`, with its floors: the prefixes'
     untrained returns). ``horizon``: per learner (default: :func:`~stabstudy.analysis.studies.rl_outcomes.horizons`
-    of ``prefix_ds``'s learning curves, as notebook 01 computes it). Returns the table and the horizons."""
-    H = dict(horizon) if horizon is not None else O.horizons(R.eval_curves(prefix_ds))[1]
+    of ``prefix_ds``'s learning curves, as notebook 01 computes it, for every learner ``horizon`` does
+    not name). Returns the table and the horizons."""
+    learners = {str(a) for a in np.atleast_1d(fork_ds["learner"].values)}
+    H = dict(horizon or {})
+    if not learners <= set(H):  # a learner the given horizons do not name: from its prefixes
+        H = {**O.horizons(R.eval_curves(prefix_ds))[1], **H}
     missing = [str(h) for h in fork_ds["run"].values if str(h) not in prefix_of]
     if missing:
         raise ValueError(f"prefix_of names no prefix for fork(s) {missing[:3]}")
@@ -192,7 +196,8 @@ def analyse(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, 
         calibration_seeds: the prefixes (seeds) whose control forks set the PCA and the thresholds
             and whose events choose the detectors; the others evaluate.
         collapse_frac, recover_frac: notebook 01's collapse rule against the paired control.
-        horizon: per learner, env steps of "irreversible" (default: from the prefixes).
+        horizon: per learner, env steps of "irreversible" (notebook 01's, where its grid manifest records
+            them; default: from the prefixes, as notebook 01 computes them).
         burn_in: rows from the fork ignored by alarms, false-alarm counts and the PCA.
         warn_horizon: earliest alarm (rows before the onset) that counts as a warning.
         late: latest alarm (rows after the onset) that counts as a detection.
