@@ -307,6 +307,19 @@ def test_evaluate_measures_leads_false_alarms_and_auc():
     assert ev.leads["d"].tolist() == [20.0, 20.0, 20.0]
 
 
+def test_a_standing_alarm_is_no_warning_but_a_fresh_one_in_the_window_is():
+    s = np.zeros(100)
+    s[10:] = 5.0  # above the threshold from step 10 on, long before the window [60, 90]
+    assert E.first_alarm(s, 1.0, 60, 90) == -1
+    s[70] = 0.0  # it falls and rises again inside the window: that rise is the alarm
+    assert E.first_alarm(s, 1.0, 60, 90) == 71
+    fresh = np.zeros(100)
+    fresh[65:] = 5.0
+    assert E.first_alarm(fresh, 1.0, 60, 90) == 65
+    assert E.first_alarm(fresh, 1.0, 0, 90) == 65 and E.first_alarm(np.full(10, 5.0), 1.0, 0, 9) == 0
+    assert E.first_alarm(np.full(100, np.nan), 1.0, 60, 90) == -1  # a score that is never measured never alarms
+
+
 # -- lr_ramp --------------------------------------------------------------------------------------
 
 

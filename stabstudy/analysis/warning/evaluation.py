@@ -11,7 +11,7 @@ Protocol (every step index below is an optimizer update):
    steps before the perturbation are bit-identical to its unperturbed twin, so counting them
    would count the same steps once per perturbation. The split is by seed, so no trajectory is
    used twice;
-3. on the *evaluation* runs, an event is detected when the first alarm falls in its warning
+3. on the *evaluation* runs, an event is detected when the first alarm (up-crossing) falls in its warning
    window ``[warn_from, onset + late]``, ``warn_from = max(onset - horizon, perturbation start)``
    (an alarm before the perturbation cannot be a warning of what it causes; lead = onset - alarm
    step, negative when late); false alarms are up-crossings on the evaluation unperturbed runs,
@@ -295,9 +295,18 @@ def threshold_for(lo: np.ndarray, hi: np.ndarray, n: int, budget: float = 1.0) -
 
 
 def first_alarm(s: np.ndarray, threshold: float, a: int, b: int) -> int:
-    """First step in ``[a, b]`` whose score exceeds ``threshold``, or -1."""
+    """First up-crossing of ``threshold`` in ``[a, b]`` (a step above it whose previous step is not,
+    the step before ``a`` included), or -1.
+
+    An alarm standing since before ``a`` was raised before the warning window opened: in a
+    spontaneous family (no perturbation start to bound the window) a detector that sits above
+    its threshold for a whole run, for example because the run's configuration differs from the
+    null's, would otherwise be credited the whole horizon as lead. It counts as a warning only
+    if it falls and rises again inside the window, as alarms are counted everywhere else."""
     a = max(a, 0)
-    hit = np.flatnonzero(s[a:b + 1] > threshold)
+    above = s[max(a - 1, 0):b + 1] > threshold
+    rise = above[1:] & ~above[:-1] if a > 0 else np.concatenate([above[:1], above[1:] & ~above[:-1]])
+    hit = np.flatnonzero(rise)
     return int(a + hit[0]) if hit.size else -1
 
 
