@@ -149,3 +149,17 @@ def test_rate_below_a_budget():
     assert bad.verdict == "not supported" and bad.effect == pytest.approx(10)
     assert C.rate_below("few false alarms", "our own", 1, 300, 0.002).verdict == "inconclusive"
     assert C.rate_below("few false alarms", "our own", 0, 0, 0.002).verdict == "not tested"
+
+
+def test_holm_equals_statsmodels():
+    from statsmodels.stats.multitest import multipletests
+
+    rng = np.random.default_rng(3)
+    for p in (rng.uniform(0, 0.2, 9), np.array([0.01, 0.01, 0.04, 0.5, 1.0]), np.array([0.03])):
+        np.testing.assert_allclose(C.holm(p), multipletests(p, method="holm")[1], rtol=0, atol=1e-15)
+
+
+def test_the_vectorized_bootstrap_gives_the_same_interval():
+    d = np.random.default_rng(5).standard_normal(17)
+    for stat in (np.mean, np.median):
+        assert C._boot_ci((d,), stat, 0.95, 0, vectorized=True) == C._boot_ci((d,), stat, 0.95, 0)
