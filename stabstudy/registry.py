@@ -62,6 +62,14 @@ NOISE_KNOB = {"ppo": "ent_coef", "a2c": "ent_coef", "sac": "target_entropy", "td
               "ddpg": "action_noise_std"}
 
 
+def arm_learner(arm: str, domain_name: str = "rl") -> str:
+    """The learner of a study arm: ``"ppo"`` itself, or ``"ppo-tuned"`` (a variant: the same learner with
+    other hyperparameters, labelled apart in tables); ``ValueError`` naming the valid learners otherwise."""
+    learner = str(arm).split("-", 1)[0]
+    hparams_class(domain_name, learner)
+    return learner
+
+
 def domain(name: str) -> Domain:
     """The :class:`Domain` called ``name``; ``ValueError`` naming the valid domains otherwise."""
     if name not in DOMAINS:

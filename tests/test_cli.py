@@ -27,7 +27,7 @@ def test_unknown_notebook_exits_2_listing_valid_ones(tmp_path, capsys, monkeypat
 
 
 def test_unknown_profile_in_library_names_choices():
-    with pytest.raises(ValueError, match="valid profiles: smoke, quick, paper"):
+    with pytest.raises(ValueError, match="valid profiles: smoke, quick, standard, paper"):
         study.load_profile("fast")
 
 

@@ -92,7 +92,7 @@ def test_new_writes_the_six_pieces_and_refuses_a_taken_number_or_name(repo):
     rel = sorted(p.relative_to(repo).as_posix() for p in written)
     assert rel == ["notebooks/07_probe.ipynb", "stabstudy/analysis/studies/probe.py",
                    "stabstudy/run/profiles/paper.yaml", "stabstudy/run/profiles/quick.yaml",
-                   "stabstudy/run/profiles/smoke.yaml", "tests/test_study_probe.py"]
+                   "stabstudy/run/profiles/smoke.yaml", "stabstudy/run/profiles/standard.yaml", "tests/test_study_probe.py"]
     for profile in study.PROFILES:
         assert "07_probe" in yaml_keys(repo, profile)
     snapshot = tree(repo)

@@ -245,10 +245,12 @@ def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
     assert noisy[0] in specs
     assert study.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": 0.5},
                            **kw)[0].get("noise_after_fork") == 0.5
-    stated = study.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, dose=30.0, spike_updates=20,
-                               task="Pendulum-v1", hparams=hp)
+    stated, dropped = study.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, update=20, dose=30.0,
+                                        spike_updates=20, task="Pendulum-v1", hparams=hp)
     starts = {r: sorted(s.perturbations[0].start for s in v if s.perturbations) for r, v in stated.items()}
-    assert starts == {"env steps": [20, 20], "updates": [70, 320]}  # sac: learning_starts 50 + 20; ppo: 5th rollout
+    # sac: learning_starts 50 + 20, and no update before 51 (env step 20 tests nothing there); ppo: SB3 counts
+    # n_epochs = 2 updates per rollout, so update 20 ends rollout 10, at the budget
+    assert starts == {"env step 20": [20], "update 20": [70]} and sorted(dropped) == ["ppo, update 20", "sac, env step 20"]
     store = RunStore(tmp_path / "runs")
     prefixes = forks.prefix_specs(specs)
     assert len(prefixes) == 4

@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("study", help="execute the study notebooks in order with papermill",
                        description="Execute the notebooks in order under a profile; executed copies go to build/<profile>/.")
     p.add_argument("--profile", choices=study.PROFILES, default="quick",
-                   help="parameter set: smoke (CI, minutes), quick (make study, <30 min on 2 cores), paper (hours)")
+                   help="parameter set: smoke (CI, minutes), quick (make study on 2 cores), standard (notebook 01's full "
+                        "design, for a cluster), paper (hours)")
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook numbers or names, e.g. --only 00 01")
     p.add_argument("--scheduler", default=None,
                    help="Dask scheduler address (default: $STABSTUDY_SCHEDULER, else an embedded LocalCluster)")
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("new", help="scaffold a new notebook experiment (docs/extending.md)",
                        description="Write notebooks/NN_name.ipynb, stabstudy/analysis/studies/name.py, its entries "
-                                   "in the smoke, quick and paper profiles and tests/test_study_name.py: an example "
+                                   "in the smoke, quick, standard and paper profiles and tests/test_study_name.py: an example "
                                    "toy experiment that runs as generated, to be made yours. Refuses a number or "
                                    "name in use.")
     p.add_argument("name", metavar="NN_name", help="two digits, an underscore, a module name: e.g. 07_warmup_dose")

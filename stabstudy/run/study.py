@@ -2,7 +2,9 @@
 
 Profiles live in ``stabstudy/profiles/<name>.yaml``: notebook stem -> parameter
 overrides. ``smoke`` shrinks sizes for CI (minutes), ``quick`` is ``make study``
-on a 2-core machine (under 30 minutes), ``paper`` is hours on a Dask cluster. A
+on a 2-core machine, ``standard`` is notebook 01's full design (more prefixes, claim (c), both
+prefix regimes; the other notebooks at their quick sizes) for a Dask cluster or a many-core
+machine, ``paper`` is hours on a Dask cluster. A
 profile only changes sizes, never the code path. Executed copies go to
 ``build/<profile>/``; figures to ``figures/<notebook>/``.
 
@@ -32,7 +34,7 @@ import yaml
 
 from stabstudy import paths
 
-PROFILES = ("smoke", "quick", "paper")
+PROFILES = ("smoke", "quick", "standard", "paper")
 
 
 def load_profile(name: str) -> dict[str, dict[str, Any]]:
@@ -74,6 +76,27 @@ def parameters_for(nb: Path, profile: str, scheduler: str | None, retry_failed: 
     params = dict(load_profile(profile).get(nb.stem, {}))
     params.update(profile=profile, scheduler=scheduler or "", retry_failed=bool(retry_failed))
     return params
+
+
+def notebook_defaults(stem: str) -> dict[str, Any]:
+    """The literals of notebook ``stem``'s parameters cell: what it runs with where a profile sets nothing."""
+    import ast
+    import json
+
+    nb = paths.notebooks_dir() / f"{stem}.ipynb"
+    cells = json.loads(nb.read_text(encoding="utf-8"))["cells"]
+    tagged = [c for c in cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if len(tagged) != 1:
+        raise ValueError(f"{nb.name}: {len(tagged)} cells tagged 'parameters' (want 1)")
+    src = tagged[0]["source"]
+    body = ast.parse("".join(src) if isinstance(src, list) else src).body
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in body if isinstance(n, ast.Assign)}
+
+
+def resolved_parameters(stem: str, profile: str) -> dict[str, Any]:
+    """The parameters notebook ``stem`` runs with under ``profile``: its parameters cell with the
+    profile's values over it (e.g. to estimate another profile's cost from inside a notebook)."""
+    return {**notebook_defaults(stem), **load_profile(profile).get(stem, {}), "profile": profile}
 
 
 #: A carriage return not followed by a newline, with what it overwrites (the rest of its line so far).

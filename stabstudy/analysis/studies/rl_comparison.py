@@ -1,124 +1,28 @@
-"""Notebook 01 (RL algorithm comparison): its grids, summaries and claims computed from its runs."""
+"""Notebook 01 (RL algorithm comparison): its summaries and claims computed from its runs.
+
+Its grids are :mod:`stabstudy.analysis.studies.rl_grid` (re-exported here: ``fork_grid``,
+``stated_grid`` and their helpers, which notebook 05 and the closed-loop study share).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xarray as xr
 
-from stabstudy.hparams import defaults
-from stabstudy.registry import NOISE_KNOB, ON_POLICY, hparams_class
-from stabstudy.spec import Perturbation, RunSpec
+from stabstudy.analysis.studies.rl_grid import (  # noqa: F401 - the grids, re-exported for their callers
+    env_step_of_update,
+    fork_grid,
+    spike_env_steps,
+    stated_grid,
+    updates_per_rollout,
+)
+from stabstudy.registry import NOISE_KNOB
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim
-
-# -- grids -----------------------------------------------------------------------------
-
-def _full(learner: str, hp: Mapping[str, Any] | None) -> dict[str, Any]:
-    return {**defaults(hparams_class("rl", learner)), **(hp or {})}
-
-
-def updates_per_rollout(hp: Mapping[str, Any]) -> int:
-    """Gradient updates of one PPO ``train()`` call: ``n_epochs`` x minibatches of a rollout
-    (``hp`` over the PPO defaults)."""
-    hp = _full("ppo", hp)
-    return int(hp["n_epochs"]) * -(-int(hp["n_steps"]) // int(hp["batch_size"]))
-
-
-def spike_env_steps(learner: str, hp: Mapping[str, Any], updates: int = 0) -> int:
-    """Env steps of an lr-spike window that spikes ``updates`` gradient updates (0: one PPO
-    rollout's worth, :func:`updates_per_rollout` of the PPO defaults over ``hp``). On-policy
-    learners update only at rollout ends: their window is one rollout (``n_steps``), whatever
-    ``updates``; off-policy learners make ``gradient_steps`` updates every ``train_freq`` env steps."""
-    hp = _full(learner, hp)
-    if learner in ON_POLICY:
-        return int(hp["n_steps"])
-    updates = updates or updates_per_rollout(_full("ppo", {}))
-    return -(-int(updates) // int(hp["gradient_steps"])) * int(hp["train_freq"])
-
-
-def env_step_of_update(learner: str, hp: Mapping[str, Any], update: int) -> int:
-    """Env step (``num_timesteps``) of the ``train()`` call that makes gradient update number
-    ``update`` (1-based) from scratch: PPO trains at rollout ends; SAC/TD3 train every ``train_freq``
-    env steps once ``num_timesteps > learning_starts``, ``gradient_steps`` updates per call."""
-    hp = _full(learner, hp)
-    if learner in ON_POLICY:
-        per = updates_per_rollout(hp) if learner == "ppo" else 1
-        return (-(-int(update) // per)) * int(hp["n_steps"])
-    f, g = int(hp["train_freq"]), int(hp["gradient_steps"])
-    first = (int(hp["learning_starts"]) // f + 1) * f
-    return first + (-(-int(update) // g) - 1) * f
-
-
-def fork_grid(algos: Sequence[str], treatments: Sequence[tuple[str, float]], seeds: Iterable[int],
-              prefix: Mapping[str, int], *, task: str = "HalfCheetah-v5",
-              hparams: Mapping[str, Mapping[str, Any]] | None = None, lead: Mapping[str, int],
-              post: Mapping[str, int], spike_updates: int = 0, env_duration: int = 2048,
-              eval_every: Mapping[str, int] | None = None, log_every: int = 1,
-              noise_after_fork: Mapping[str, float] | None = None) -> list[RunSpec]:
-    """Forks of each algorithm's stored prefix (``prefix[algo]`` env steps): treatments x seeds.
-
-    ``treatments``: ``(kind, dose)`` pairs, ``("none", 1.0)`` = the unperturbed fork (the
-    control of every perturbed fork of the same seed). Every perturbation starts
-    ``lead[algo]`` env steps after the fork (room for the pre-perturbation evaluations);
-    an lr spike lasts :func:`spike_env_steps` of ``spike_updates``, an env-side perturbation
-    ``env_duration`` env steps, and so does the climb of an ``lr_ramp`` (which then stays at its
-    dose to the fork's end); every fork of an algorithm then runs ``post[algo]`` env steps
-    beyond the longer of the two (one horizon for treated and control runs).
-    ``noise_after_fork``: the learner's own noise knob from the fork on (left out where it
-    equals the prefix's, so those forks are the main grid's).
-    """
-    specs = []
-    for a in algos:
-        hp = {**((hparams or {}).get(a, {})), "prefix_steps": int(prefix[a])}
-        full = _full(a, hp)
-        knob = NOISE_KNOB[a]
-        if noise_after_fork and a in noise_after_fork and float(noise_after_fork[a]) != full[knob]:
-            hp["noise_after_fork"] = float(noise_after_fork[a])
-        unit = int(full["n_steps"] if a in ON_POLICY else full["train_freq"])
-        if int(prefix[a]) % unit:  # here, not minutes later on a worker
-            raise ValueError(f"{a}: prefix_steps {prefix[a]} must be a multiple of "
-                             f"{'n_steps' if a in ON_POLICY else 'train_freq'} = {unit} (a fork point ends a train call)")
-        start = int(prefix[a]) + int(lead[a])
-        spike = spike_env_steps(a, full, spike_updates)
-        steps = start + max(spike, int(env_duration)) + int(post[a])
-        for s in seeds:
-            for kind, dose in treatments:
-                pert = () if kind == "none" else (Perturbation(kind, start, spike if kind == "lr_spike"
-                                                               else int(env_duration), float(dose)),)
-                specs.append(RunSpec("rl", a, task, steps, int(s), hparams=hp, perturbations=pert,
-                                     eval_every=int((eval_every or {}).get(a, 0)), log_every=int(log_every)))
-    return list(dict.fromkeys(specs))
-
-
-def stated_grid(algos: Sequence[str], seeds: Iterable[int], steps: Mapping[str, int], *, at: int = 2000,
-                dose: float = 10.0, spike_updates: int = 0, task: str = "HalfCheetah-v5",
-                hparams: Mapping[str, Mapping[str, Any]] | None = None, eval_every: Mapping[str, int] | None = None,
-                log_every: int = 1) -> dict[str, list[RunSpec]]:
-    """The claim as stated: one lr spike at "step ``at``" of a fresh run, under both readings of
-    "step": ``{"env steps": specs, "updates": specs}``, each the unperturbed run and the spiked one
-    per algorithm and seed (``steps[algo]`` env steps). "env steps": the window starts at env
-    step ``at`` (PPO: the first rollout end at or after it); "updates": at the env step of gradient
-    update ``at`` (:func:`env_step_of_update`). Where both readings give one window, the runs are shared."""
-    out: dict[str, list[RunSpec]] = {"env steps": [], "updates": []}
-    seeds = list(seeds)
-    for a in algos:
-        hp = dict((hparams or {}).get(a, {}))
-        full = _full(a, hp)
-        spike = spike_env_steps(a, full, spike_updates)
-        for reading, start in (("env steps", int(at)), ("updates", env_step_of_update(a, full, at))):
-            if start + spike >= steps[a]:
-                raise ValueError(f"{a}: the spike at {reading} {at} (env steps [{start}, {start + spike})) does not end "
-                                 f"before the run's {steps[a]} env steps")
-            for s in seeds:
-                for pert in ((), (Perturbation("lr_spike", start, spike, float(dose)),)):
-                    out[reading].append(RunSpec("rl", a, task, int(steps[a]), int(s), hparams=hp, perturbations=pert,
-                                                eval_every=int((eval_every or {}).get(a, 0)), log_every=int(log_every)))
-    return out
-
 
 # -- analysis helpers ------------------------------------------------------------------
 
@@ -172,6 +76,25 @@ def first_last_returns(ds: xr.Dataset):
         perf = ds.perf.sel(run=run).dropna("step").values
         rows[run] = (perf[0], perf[-1]) if perf.size else (np.nan, np.nan)
     return pd.DataFrame.from_dict(rows, orient="index", columns=["untrained", "final"])
+
+
+def evaluation_spread(ds: xr.Dataset):
+    """Per run of ``ds`` (:func:`stabstudy.run.store.load_runs`): ``evaluations`` (rows with a return)
+    and the median and largest ``perf_std`` over them (the standard deviation of an evaluation's
+    episode returns, seeded starts; NaN with one episode per evaluation). A pandas DataFrame indexed
+    by the run, with its ``learner``."""
+    import pandas as pd
+
+    rows = {}
+    for i, run in enumerate(ds.run.values):
+        one = ds.isel(run=i)
+        ok = np.isfinite(one["perf"].values)
+        sd = one["perf_std"].values[ok] if "perf_std" in ds else np.full(int(ok.sum()), np.nan)
+        fin = sd[np.isfinite(sd)]
+        rows[str(run)] = {"learner": str(one["learner"].values) if "learner" in ds.coords else "",
+                          "evaluations": int(ok.sum()), "perf_std_median": float(np.median(fin)) if fin.size else np.nan,
+                          "perf_std_max": float(fin.max()) if fin.size else np.nan}
+    return pd.DataFrame.from_dict(rows, orient="index")
 
 
 def return_reference(prefix_ds: xr.Dataset, fork_curves: xr.DataArray,
@@ -297,6 +220,65 @@ def summarize(ds: xr.Dataset, *, final_points: int = 3, frac: float = 0.5, recov
     out = pd.DataFrame(rows)
     out.attrs["scale"] = scale
     return out
+
+
+def prefix_summary(paired, by: Sequence[str] = ("learner", "pert_kind", "pert_dose"), *, reps: int = 1000,
+                   alpha: float = 0.05, seed: int = 0):
+    """Per group of ``by`` of paired outcomes (:func:`horizon_outcomes` or ``rl_outcomes.paired_table``
+    rows), with the prefix as the unit: ``prefixes`` (with a verdict), ``forks``, ``collapsed``
+    (prefixes whose forks mostly collapsed, ``rl_outcomes.by_prefix``) and ``p_collapse`` with a
+    Clopper-Pearson interval over prefixes (``p_low``, ``p_high``), the mean ``damage`` with a
+    bootstrap interval that resamples prefixes (``damage_low``, ``damage_high``), the design effect
+    of the damage (``deff``: how many forks one prefix is worth) and ``no_verdict`` (forks without one)."""
+    import pandas as pd
+
+    from stabstudy.analysis import stats
+    from stabstudy.analysis.studies import rl_outcomes
+
+    rows = []
+    if not len(paired):
+        return pd.DataFrame(columns=[*by, "prefixes", "forks", "collapsed", "p_collapse", "p_low", "p_high",
+                                     "damage", "damage_low", "damage_high", "deff", "no_verdict"])
+    per = rl_outcomes.by_prefix(paired, by=by)
+    for key, g in paired.groupby(list(by), sort=True, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        mask = np.logical_and.reduce([per[b] == k for b, k in zip(by, key, strict=True)]) if len(per) else []
+        c = per[mask]["collapsed_prefix"].to_numpy(float) if len(per) else np.array([])
+        c = c[np.isfinite(c)]
+        p, lo, hi = stats.collapse_probability(c, confidence=1 - alpha) if c.size else (np.nan,) * 3
+        est, dlo, dhi = rl_outcomes.prefix_bootstrap(g["damage"], g["prefix"], reps=reps, seed=seed)
+        rows.append({**dict(zip(by, key, strict=True)), "prefixes": int(c.size), "forks": len(g),
+                     "collapsed": int(c.sum()), "p_collapse": p, "p_low": lo, "p_high": hi, "damage": est,
+                     "damage_low": dlo, "damage_high": dhi, "deff": rl_outcomes.design_effect(g["damage"], g["prefix"])[1],
+                     "no_verdict": int((g["state"] == "no_verdict").sum())})
+    return pd.DataFrame(rows)
+
+
+def stated_outcomes(ds: xr.Dataset, table, **kw: Any):
+    """Paired outcomes of the claim as stated (``rl_outcomes.paired_table``): each spiked fresh run
+    (rows of ``table``, :func:`summarize` of ``ds``) against the unperturbed run of its seed over
+    ``[spike, end of the budget]`` (the control's last evaluation), read at the same env steps; the
+    floor is the control's first evaluation (the untrained policy) and the unit its seed (a fresh run
+    is its own prefix)."""
+    from stabstudy.analysis.studies import rl_outcomes
+
+    if not len(table):
+        return rl_outcomes.paired_table(ds, table, horizon={}, floors={}, prefix_of={}, **kw)
+    key = [k for k in PAIR_KEY if k in table]
+    ctrl = table[table.pert_kind == "none"].drop_duplicates(key).set_index(key)
+    untrained = first_last_returns(ds).untrained
+    index = {str(h): i for i, h in enumerate(ds.run.values)}
+    horizon, floors, unit = {}, {}, {}
+    for _, r in table[table.pert_kind != "none"].iterrows():
+        k = tuple(r[c] for c in key)
+        c = ctrl["spec_hash"].get(k if len(key) > 1 else k[0])
+        unit[r.spec_hash] = f"{r.learner} seed {r.seed}"
+        if c is None or str(c) not in index:
+            continue
+        end = _stop_env_step(ds, index[str(c)])
+        horizon[r.learner] = min(horizon.get(r.learner, np.inf), end - float(r.pert_start))
+        floors[r.spec_hash] = float(untrained.get(c, np.nan))
+    return rl_outcomes.paired_table(ds, table, horizon=horizon, floors=floors, prefix_of=unit, **kw)
 
 
 # -- group statistics and the claims ----------------------------------------------------
@@ -497,7 +479,7 @@ def claims_table(comp, scale: float, *, stated=None, dose=None, noise=None, on_p
         scale: the return scale shared by the stability scores.
         stated: the claim as stated: ``{reading: summarize table}`` of fresh runs with and without
             the spike at "step 2000" under each reading of "step" (None: not run).
-        dose: :func:`summarize` rows of the lr-spike dose sweep (None: not run).
+        dose: :func:`summarize` rows of the lr-spike dose sweep (None: the pooled "lower critical dose" rows are left out).
         noise: :func:`summarize` rows of the controlled-stochasticity grid, with each
             learner's knob in effect as column ``noise`` (None: not run).
         comparable_tol: equivalence margin of the pre-perturbation returns, as a
@@ -576,7 +558,7 @@ def claims_table(comp, scale: float, *, stated=None, dose=None, noise=None, on_p
         rows.append(C.correlation(f"more of {a.upper()}'s own noise ({NOISE_KNOB.get(a, '')}) buffers the spike "
                                   "(higher stability)", own, col(g, "noise"), col(g, "stability") if len(col(g, "noise"))
                                   else [], expect="positive", alpha=alpha))
-    for a in off_policy:
+    for a in off_policy if dose is not None else ():  # pooled over doses and forks: prefer the prefix-level claim (b)
         empty = comp.iloc[:0]
         rows.append(C.rate_comparison(
             f"{on_policy.upper()} has a lower critical lr-spike dose than {a.upper()} "

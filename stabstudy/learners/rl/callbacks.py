@@ -44,7 +44,8 @@ Step axis and timing
 * ``perf`` = mean undiscounted return of ``episodes`` deterministic episodes on the
   evaluation env (episode ``i`` of every evaluation resets with seed ``seed + i``, so
   every evaluation sees the same initial states), every ``every`` env steps, at the
-  start and at the end, written on the row of the updates completed at that time (NaN
+  start and at the end (the policy after the last update: a run's curve reaches its last
+  env step), written on the row of the updates completed at that time (NaN
   elsewhere). Two evaluations between the same two updates (PPO within a rollout,
   off-policy before ``learning_starts``) evaluate the same policy; the later one is
   kept. ``perf_env_step`` says when each was measured, ``perf_std`` the standard deviation
@@ -372,6 +373,7 @@ class EvaluationCallback(RecorderCallback):
         self.episodes = int(episodes)
         self.seed = int(seed)
         self._last_env_step = -1
+        self._last_updates = -1
         # an evaluation due at the env step of a parametric event sees the policy before it,
         # whichever of the two callbacks comes first in the list
         self.recorder.on_parameter_change(self._evaluate_if_due)
@@ -389,7 +391,10 @@ class EvaluationCallback(RecorderCallback):
             self._evaluate()
 
     def _training_end(self) -> None:
-        if self._last_env_step != self.model.num_timesteps and not self.recorder.diverged:
+        # the policy after the last update: an evaluation due at the last env step ran before the
+        # train() call that follows it (PPO's last rollout, an off-policy learner's last train call)
+        t, n = self.model.num_timesteps, self.recorder.n_updates
+        if (self._last_env_step != t or self._last_updates != n) and not self.recorder.diverged:
             self._evaluate()
 
     def _evaluate(self) -> None:
@@ -401,7 +406,7 @@ class EvaluationCallback(RecorderCallback):
         if self.recorder.parametric_pending:
             return
         t = self.model.num_timesteps
-        self._last_env_step = t
+        self._last_env_step, self._last_updates = t, self.recorder.n_updates
         rets = []
         norm = self.model.get_vec_normalize_env()  # the policy sees normalised observations
         try:

@@ -55,7 +55,7 @@ from stabstudy.learners.rl.callbacks import (
 )
 from stabstudy.learners.rl.envs import ENV_KINDS, check_env_id, make_base, make_env, make_eval_env
 from stabstudy.learners.rl.recorder import ROLLOUT_FLAGGED, Recorder
-from stabstudy.registry import LEARNERS, NOISE_KNOB, ON_POLICY, hparams_class
+from stabstudy.registry import LEARNERS, NOISE_KNOB, ON_POLICY, arm_learner, hparams_class
 from stabstudy.seeding import seed_everything
 from stabstudy.spec import RunSpec
 
@@ -65,7 +65,10 @@ from stabstudy.spec import RunSpec
 #: that was never logged, so a non-finite or exploding gradient norm went unnoticed there).
 #: 3: the finite-parameter check sums norms in float64 (in float32 finite weights above ~1e19
 #: overflowed the norm and were flagged as non-finite).
-RESULTS_VERSION = 3
+#: 4: the closing evaluation is of the policy after the last update (before, an evaluation due at the
+#: last env step ran before the train() call that follows it, so a run's curve ended one rollout, or
+#: one train call, short of its end and the last update of a prefix was never evaluated).
+RESULTS_VERSION = 4
 
 ALGOS = tuple(LEARNERS["rl"])
 #: The stable-baselines3 class of each learner.
@@ -298,15 +301,16 @@ def algo_hparams(algos: Sequence[str], task: str, common: Mapping[str, Any] | No
     (so the noise study shares its default-noise runs with the comparison grid):
     PPO/A2C ``ent_coef`` 0.0, SAC ``target_entropy = -dim(action space)`` (SB3's
     "auto"), TD3/DDPG ``action_noise_std`` 0.1. ``common`` applies to every
-    learner where the name is valid; ``per_algo`` overrides."""
+    learner where the name is valid; ``per_algo`` overrides. ``algos`` may name arms
+    (``"ppo-tuned"``: :func:`stabstudy.registry.arm_learner`), each with its own ``per_algo`` entry."""
     env = make_base(task)
     n_act = int(np.prod(env.action_space.shape))
     env.close()
     out = {}
     for a in algos:
-        base = defaults(hparams_class("rl", a))
+        base = defaults(hparams_class("rl", arm_learner(a)))
         hp = {k: v for k, v in (common or {}).items() if k in base}
-        knob = NOISE_KNOB[a]
+        knob = NOISE_KNOB[arm_learner(a)]
         hp[knob] = -float(n_act) if knob == "target_entropy" else float(base[knob])
         hp.update((per_algo or {}).get(a, {}))
         out[a] = hp
