@@ -7,6 +7,7 @@ data folder (tests point it at a temporary directory).
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent
@@ -59,3 +60,22 @@ def claims_dir(profile: str) -> Path:
 
 def profiles_dir() -> Path:
     return _PKG / "run" / "profiles"
+
+
+def atomic_write(target: Path, data: bytes | str) -> Path:
+    """Write ``data`` to ``target`` so that a reader sees the old file or the new one, never half:
+    a uniquely named temporary file in the same folder, flushed to disk, then ``os.replace``.
+    The folder is created; the temporary file is removed if anything fails."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target

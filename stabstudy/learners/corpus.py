@@ -80,11 +80,8 @@ def _stdlib_cached(max_bytes: int) -> bytes:
     if p.exists():
         return p.read_bytes()
     data = stdlib_bytes(max_bytes)
-    try:  # atomic: write a temp file, then rename
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, p)
+    try:
+        paths.atomic_write(p, data)
     except OSError:
         pass  # a read-only data dir only costs a rebuild next time
     return data

@@ -22,8 +22,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import os
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,19 +115,8 @@ def save_grid(name: str, profile: str, groups: Mapping[str, Sequence[RunSpec]],
     body = {"format": FORMAT, "name": name, "profile": _check_profile(profile), "groups": body_groups, "meta": meta,
             "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "git_commit": git_commit(),
             "stabstudy_version": __version__}
-    target = grid_path(name, profile)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "w") as f:
-            json.dump({**body, "sha256": _digest(body)}, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return target
+    return paths.atomic_write(grid_path(name, profile),
+                              json.dumps({**body, "sha256": _digest(body)}, indent=1, sort_keys=True))
 
 
 def load_grid(name: str, profile: str) -> Grid | None:

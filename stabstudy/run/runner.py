@@ -44,6 +44,7 @@ import xarray as xr
 # HBox repr; a text bar redrawn with carriage returns is what a stored notebook can show
 from tqdm.std import tqdm
 
+from stabstudy import paths
 from stabstudy.registry import learner_for
 from stabstudy.run.store import (
     CorruptRunError,
@@ -101,10 +102,7 @@ class GridProgress:
 
 def write_progress(path: str | Path, state: GridProgress) -> None:
     """Write ``state`` to ``path`` atomically (a reader sees the old or the new state, never half)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(state)))
-    os.replace(tmp, path)
+    paths.atomic_write(Path(path), json.dumps(asdict(state)))
 
 
 def read_progress(path: str | Path) -> GridProgress | None:

@@ -54,7 +54,6 @@ import json
 import os
 import random
 import shlex
-import uuid
 import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -172,28 +171,14 @@ def sidecar_path(key: RunSpec | str, root: Path | None = None) -> Path:
     return checkpoint_path(key, root).with_suffix(".json")
 
 
-def _atomic_write(target: Path, data: bytes) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_checkpoint(h: str, blob: bytes, meta: dict[str, Any], root: Path | None = None) -> Path:
     """Store ``blob`` as the checkpoint of prefix hash ``h``: the zip, then its sidecar, each atomically
     (temporary file, then rename). The sidecar records the blob's SHA-256; a reader that finds a zip
     whose sidecar does not match refuses it (:func:`read_checkpoint`)."""
     meta = {**meta, "format": FORMAT, "spec_hash": h, "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
     path = checkpoint_path(h, root)
-    _atomic_write(path, blob)
-    _atomic_write(sidecar_path(h, root), json.dumps(meta, indent=1, sort_keys=True).encode())
+    paths.atomic_write(path, blob)
+    paths.atomic_write(sidecar_path(h, root), json.dumps(meta, indent=1, sort_keys=True).encode())
     return path
 
 
