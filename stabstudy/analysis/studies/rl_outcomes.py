@@ -530,17 +530,10 @@ def critical_dose_claims(crit, *, on_policy: str = "ppo", off_policy: Sequence[s
                                     higher_low=off[lo_col], power=power, seed=seed)
         missing = [x for x in (on_policy, a) if spiked is not None and int(spiked.get(x, 0)) == 0]
         rows.append(checked(claim, not missing, f"the perturbation reached no update of {', '.join(m.upper() for m in missing)}"))
-    verdicts = [r.verdict for r in rows]
-    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
-             "not supported" if "not supported" in verdicts else
-             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
-    others = " and ".join(a.upper() for a in off_policy)
-    rows.append(Claim(f"{on_policy.upper()}'s {label} is lower than {others}'s (every comparison must hold)",
-                      "source paper: the report under test", joint,
-                      "; ".join(f"{a.upper()}: {v}" for a, v in zip(off_policy, verdicts, strict=True)),
-                      n=int(crit[crit.learner.isin([on_policy, *off_policy])][value].notna().sum()),
-                      test="intersection of one-sided Mann-Whitney tests"))
-    return rows
+    others = " and ".join(x.upper() for x in off_policy)
+    return [*rows, intersection(f"{on_policy.upper()}'s {label} is lower than {others}'s (every comparison must hold)",
+                                rows, off_policy, int(crit[crit.learner.isin([on_policy, *off_policy])][value].notna().sum()),
+                                "intersection of one-sided Mann-Whitney tests")]
 
 
 # -- manipulation checks --------------------------------------------------------------------
@@ -622,6 +615,17 @@ def spike_policy_change(run: xr.Dataset, start: float, duration: float) -> dict[
             "kl": mean("approx_kl")}
 
 
+def intersection(claim: str, rows: Sequence[Claim], names: Sequence[str], n: int, test: str) -> Claim:
+    """The claim that every one of ``rows`` (one per name of ``names``) holds: supported only if all
+    are, not supported if any is not, not tested if none was tested, else inconclusive."""
+    verdicts = [r.verdict for r in rows]
+    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
+             "not supported" if "not supported" in verdicts else
+             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
+    return Claim(claim, "source paper: the report under test", joint,
+                 "; ".join(f"{a.upper()}: {v}" for a, v in zip(names, verdicts, strict=True)), n=n, test=test)
+
+
 def checked(claim: Claim, ok: bool, reason: str) -> Claim:
     """``claim`` when its manipulation check passed (``ok``), else ``not tested`` with ``reason``:
     a perturbation that changed nothing tests nothing, whatever the outcome."""
@@ -672,16 +676,9 @@ def collapse_at_dose_claims(per_prefix, dose: float, *, on_policy: str = "ppo", 
                                       f"{planning[1]:g} with {n1} and {n0} prefixes, alpha {level:.3g}")
         missing = [x for x in (on_policy, a) if spiked is not None and int(spiked.get(x, 0)) == 0]
         rows.append(checked(claim, not missing, f"the perturbation reached no update of {', '.join(m.upper() for m in missing)}"))
-    verdicts = [r.verdict for r in rows]
-    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
-             "not supported" if "not supported" in verdicts else
-             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
-    others = " and ".join(a.upper() for a in off_policy)
-    rows.append(Claim(f"{on_policy.upper()} collapses at x{dose:g} where {others} do not (every comparison must hold)",
-                      "source paper: the report under test", joint,
-                      "; ".join(f"{a.upper()}: {v}" for a, v in zip(off_policy, verdicts, strict=True)),
-                      n=sum(r.n for r in rows), test="intersection of one-sided Boschloo tests"))
-    return rows
+    others = " and ".join(x.upper() for x in off_policy)
+    return [*rows, intersection(f"{on_policy.upper()} collapses at x{dose:g} where {others} do not (every comparison must hold)",
+                                rows, off_policy, sum(r.n for r in rows), "intersection of one-sided Boschloo tests")]
 
 
 def replace_reason(claim: Claim, reason: str) -> Claim:
