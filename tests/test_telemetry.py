@@ -286,6 +286,22 @@ def test_per_layer_every_n():
     assert np.isnan(ds.layer_update_ratio.values[1::2]).all()
 
 
+def test_hooks_leave_the_callers_grad_mode():
+    """The hooks switch grad mode off for their copies and restore the caller's, on or off, measured
+    step or not (every=2)."""
+    lin = make_linear()
+    opt = torch.optim.Adam(lin.parameters(), lr=0.1)
+    mon = Monitor(lin, opt, every=2)
+    x = torch.tensor(X, dtype=lin.weight.dtype)
+    for mode in (True, False, True, False):
+        opt.zero_grad()
+        lin(x).pow(2).mean().backward()
+        with torch.set_grad_enabled(mode):
+            opt.step()
+            assert torch.is_grad_enabled() is mode
+    assert np.isfinite(mon.to_dataset().update_norm.values[::2]).all()
+
+
 def test_log_new_channels_enabled_and_close():
     lin = make_linear()
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)

@@ -181,10 +181,9 @@ class Monitor:
         # an OrderedDict: RemovableHandle keeps a weak reference to it
         self._pre_step_hooks: OrderedDict[int, Callable[[torch.optim.Optimizer, PreStepStats], Any]] = OrderedDict()
         self._cost = [0.0, -1.0, -1.0, 0]  # see cost(); a list: the hooks update it in place
-        self._no_grad = torch.no_grad()  # reused: the hooks never nest
         for st in self._opts:
-            self._handles.append(st.opt.register_step_pre_hook(self._make_hook(st, pre=True)))
-            self._handles.append(st.opt.register_step_post_hook(self._make_hook(st, pre=False)))
+            pre_hook, post_hook = self._make_hooks(st)
+            self._handles += [st.opt.register_step_pre_hook(pre_hook), st.opt.register_step_post_hook(post_hook)]
         self._step = -1  # index of the current row (-1 before the first update)
         self._stepped: set[int] = set()
         self._host = Table((len(self._opts), NH))  # row -> optimizer -> host fields (HostField)
@@ -488,40 +487,48 @@ class Monitor:
         found = registry.channel(ch, names)
         return {"long_name": registry.long_name(ch, names), **({"units": found[0].unit} if found else {})}
 
-    def _make_hook(self, st: OptState, pre: bool):
+    def _make_hooks(self, st: OptState) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """``st``'s optimizer step pre- and post-hook; they time themselves (:meth:`cost`)."""
         clock = time.perf_counter
         cost = self._cost  # [seconds in hooks, first hook entry, last hook exit, hook calls]
 
-        def hook(optimizer, args, kwargs):
-            t0 = clock()
-            out = None
-            read = False
-            if not self.enabled:
-                if pre:  # keep counting updates so that `step` stays the update index
-                    self._skip(st)
-            elif pre:
-                # args is (optimizer, *step args): torch passes the bound call's full arguments
-                closure = args[1] if len(args) > 1 else kwargs.get("closure")
-                if callable(closure):  # the gradient exists only once the closure ran: read it then
-                    out = self._after_closure(st, closure, args, kwargs)
-                else:
-                    self._pre(st)
-                    read = True
-            else:
-                if st.cur.pending is not None and not st.cur.pending[0]:  # the step never called its closure
-                    self._skip(st)
-                st.cur.pending = None
-                self._post(st)
+        def spent(t0: float) -> None:
             t1 = clock()
             cost[0] += t1 - t0
             if cost[1] < 0.0:
                 cost[1] = t0
             cost[2] = t1
             cost[3] += 1
-            if read and self._pre_step_hooks:
+
+        def pre_hook(optimizer, args, kwargs):
+            t0 = clock()
+            if not self.enabled:  # keep counting updates so that `step` stays the update index
+                self._skip(st)
+                return spent(t0)
+            # args is (optimizer, *step args): torch passes the bound call's full arguments
+            closure = args[1] if len(args) > 1 else kwargs.get("closure")
+            if callable(closure):  # the gradient exists only once the closure ran: read it then
+                out = self._after_closure(st, closure, args, kwargs)
+                spent(t0)
+                return out
+            stats.without_grad(self._pre, st)
+            spent(t0)
+            if self._pre_step_hooks:
                 self._run_pre_step_hooks(st)
-            return out
-        return hook
+
+        def post_hook(optimizer, args, kwargs):
+            t0 = clock()
+            cur = st.cur
+            if self.enabled:
+                if cur.pending is not None and not cur.pending[0]:  # the step never called its closure
+                    self._skip(st)
+                cur.pending = None
+                if cur.measuring:  # else the pre-hook recorded the row
+                    stats.without_grad(self._post, st)
+                cur.params, cur.stepped = [], []
+            spent(t0)
+
+        return pre_hook, post_hook
 
     def _run_pre_step_hooks(self, st: OptState) -> None:
         if st.cur.g2 is None:  # no gradient read (the optimizer steps no parameter)
@@ -550,7 +557,7 @@ class Monitor:
             if not fired[0]:
                 fired[0] = True
                 t0 = clock()
-                self._pre(st)
+                stats.without_grad(self._pre, st)
                 cost[0] += clock() - t0
                 if self._pre_step_hooks:
                     self._run_pre_step_hooks(st)
@@ -566,19 +573,9 @@ class Monitor:
             self._stepped = set()
         self._stepped.add(st.index)
 
-    def _row_fields(self, st: OptState, s: int) -> tuple[memoryview, int]:
-        """The host table (flat) and where ``st``'s fields of row ``s`` start, with the fields
-        every step records (order in the row, lr, primary lr) written."""
-        rec = self._host.flat(s)
-        b = (s * len(self._opts) + st.index) * NH
-        cur = st.cur
-        rec[b + HostField.ORDER], rec[b + HostField.LR], rec[b + HostField.LRP] = cur.order, cur.lr, cur.lr_primary
-        return rec, b
-
     def _pre(self, st: OptState) -> None:
         self._open_row_if_needed(st)
         cur, prev = st.cur, st.prev
-        cur.order = len(self._stepped) - 1  # 0 for the first optimizer stepping in this row
         s = self._step
         st.n += 1
         k = st.n  # this optimizer's own step count: `every` and xgrad follow it, not the row
@@ -586,9 +583,12 @@ class Monitor:
         # an even `every`, and its previous gradient would never be one row back)
         params = st.stepped_params()
         cur.params, cur.stepped, cur.measuring, cur.g2 = params, params, False, None
-        cur.lr = as_float(st.opt.param_groups[0]["lr"])
-        cur.lr_primary = cur.lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
-        rec, b = self._row_fields(st, s)
+        # the host fields every step records: its order in the row (0: the first optimizer stepping
+        # in it), its lr and the primary optimizer's
+        rec, b = self._host.flat(s), (s * len(self._opts) + st.index) * NH
+        rec[b + HostField.ORDER] = len(self._stepped) - 1
+        rec[b + HostField.LR] = lr = as_float(st.opt.param_groups[0]["lr"])
+        rec[b + HostField.LRP] = lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
         if not params:
             rec[b + HostField.KIND] = Kind.NOPARAMS
             return
@@ -615,31 +615,30 @@ class Monitor:
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
         lg = st.block.layer(s, 0) if self.per_layer else None
-        with self._no_grad:  # hooks run in the caller's grad mode; copying a parameter must not be recorded
-            if st.special:
-                stats.special_g2(grads, dv[DevField.G2])
-                if cur.inv is not None:
-                    dv[DevField.G2].mul_(cur.inv * cur.inv)
-                if st.group is not None:
-                    sharded.all_reduce_(st.block.pre_fields(s), st.group)
-                return
-            measure = k % self.every == 0
-            if not measure:
-                stats.grad_only(st, grads, dv, lg)
-                if st.group is not None:
-                    sharded.all_reduce_(st.block.pre_fields(s), st.group)
-                if (k + 1) % self.every == 0:  # keep it for the next step's xgrad
-                    prev.keep(k, s, cur.inv)
-                return
-            linked = prev.step == k - 1
-            stats.before_update(st, params, grads, dv, st.block.pairs(s)[0], linked, self.per_layer)
+        if st.special:
+            stats.special_g2(grads, dv[DevField.G2])
+            if cur.inv is not None:
+                dv[DevField.G2].mul_(cur.inv * cur.inv)
             if st.group is not None:
                 sharded.all_reduce_(st.block.pre_fields(s), st.group)
-            rec[b + HostField.SLOT] = prev.slot
-            cur.g2 = dv[prev.slot]
-            if linked:
-                rec[b + HostField.PREV] = prev.row
-            cur.measuring = True
+            return
+        measure = k % self.every == 0
+        if not measure:
+            stats.grad_only(st, grads, dv, lg)
+            if st.group is not None:
+                sharded.all_reduce_(st.block.pre_fields(s), st.group)
+            if (k + 1) % self.every == 0:  # keep it for the next step's xgrad
+                prev.keep(k, s, cur.inv)
+            return
+        linked = prev.step == k - 1
+        stats.before_update(st, params, grads, dv, st.block.pairs(s)[0], linked, self.per_layer)
+        if st.group is not None:
+            sharded.all_reduce_(st.block.pre_fields(s), st.group)
+        rec[b + HostField.SLOT] = prev.slot
+        cur.g2 = dv[prev.slot]
+        if linked:
+            rec[b + HostField.PREV] = prev.row
+        cur.measuring = True
 
     def _pre_sketch(self, st: OptState, s: int, k: int, params: list[torch.Tensor], grads: list[torch.Tensor],
                     ids: tuple[int, ...], rec: memoryview, b: int) -> None:
@@ -653,8 +652,7 @@ class Monitor:
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
         measure, keep, linked = k % self.every == 0, (k + 1) % self.every == 0, prev.step == k - 1
-        with self._no_grad:
-            sketch.pre(st, sk, grads, params, dv, measure, keep, linked)
+        sketch.pre(st, sk, grads, params, dv, measure, keep, linked)
         if not measure:
             if keep:
                 sketch.keep_g2(sk, dv)
@@ -667,26 +665,23 @@ class Monitor:
 
     def _post(self, st: OptState) -> None:
         cur = st.cur
-        params, stepped, cur.params, cur.stepped = cur.params, cur.stepped, [], []
-        if not cur.measuring:  # the pre-hook recorded the row
-            return
+        params, stepped = cur.params, cur.stepped
         s = self._step
         rec, b = self._host.flat(s), (s * len(self._opts) + st.index) * NH
         blk = st.block
         dv = blk.fields(s)
         layers = tuple(blk.layer(s, j) for j in range(len(LAYER_PARTS))) if self.per_layer else None
-        with self._no_grad:
-            if st.sk is not None and self._sketch:
-                sketch.post(st, st.sk, params, dv)
-                adam = sketch.adam_stats(st, st.sk, stepped, dv)
-                sketch.keep_g2(st.sk, dv)
-                n_total = st.sk.cs.N
-            else:
-                stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
-                adam = adam_stats(st, stepped, dv)
-                n_total = st.flat.n_total
-            if st.group is not None:
-                sharded.all_reduce_(blk.post_fields(s), st.group)
+        if st.sk is not None and self._sketch:
+            sketch.post(st, st.sk, params, dv)
+            adam = sketch.adam_stats(st, st.sk, stepped, dv)
+            sketch.keep_g2(st.sk, dv)
+            n_total = st.sk.cs.N
+        else:
+            stats.after_update(st, params, dv, blk.pairs(s)[1], layers)
+            adam = adam_stats(st, stepped, dv)
+            n_total = st.flat.n_total
+        if st.group is not None:
+            sharded.all_reduce_(blk.post_fields(s), st.group)
         rec[b + HostField.KIND] = Kind.FULL
         if adam is not None:
             rec[b + HostField.KIND] = Kind.ADAM

@@ -108,9 +108,6 @@ class Current:
     stepped: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters as the optimizer holds them
     g2: torch.Tensor | None = None  #: this step's ||g||^2 (a block view) for pre-step hooks
     measuring: bool = False  #: a measured step: the post-hook completes the row
-    order: int = 0  #: how many optimizers stepped before this one in the current row
-    lr: float = float("nan")  #: own lr at this step
-    lr_primary: float = float("nan")  #: the primary optimizer's lr at this step
     #: 1 / loss scale of this step's gradient, or None for 1 (GradScaler with an optimizer that
     #: unscales inside its step, e.g. fused Adam: the hooks see scaled gradients)
     inv: float | torch.Tensor | None = None

@@ -14,6 +14,7 @@ matrix-vector product.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +22,21 @@ import torch
 from stabstudy.instruments.telemetry import sharded
 from stabstudy.instruments.telemetry.channels import DevField
 from stabstudy.instruments.telemetry.state import OptState, Row, as_float
+
+#: grad mode by torch's C setter: the hooks switch it off on every step, where ``torch.no_grad()``
+#: as a context manager costs three times the instructions (``docs/benchmarks.md``)
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+
+
+def without_grad(fn: Callable[[OptState], None], st: OptState) -> None:
+    """``fn(st)`` with grad mode off: the hooks run in the caller's grad mode, and copying a
+    parameter (or a gradient of ``backward(create_graph=True)``) must not be recorded."""
+    was = _grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        fn(st)
+    finally:
+        _set_grad_enabled(was)
 
 
 def grad_scale(opt: torch.optim.Optimizer) -> float | torch.Tensor | None:
