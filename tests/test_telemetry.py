@@ -366,6 +366,27 @@ def _adam_expected(opt) -> tuple[float, float, float]:
     return m.norm().item(), v.mean().item(), b.float().mean().item()
 
 
+def test_adam_eps_count_compares_in_the_buffers_dtype():
+    """adam_eps_frac counts v < eps^2 (1 - beta2^t) with the threshold rounded to float32, the
+    buffer's dtype, as the float32 state holds v: second moments placed on the float32 neighbours of
+    the threshold (some below the float64 threshold but equal to its float32 rounding) count as a
+    float32 comparison counts them, not as a float64 one."""
+    eps, b2 = 3e-3, 0.999
+    thr = eps * eps * (1 - b2)  # the threshold at step 1 (bias correction 1 - b2)
+    t32 = torch.tensor(thr, dtype=torch.float32)
+    v = torch.stack([torch.nextafter(t32, torch.tensor(d, dtype=torch.float32)) for d in (0.0, 1.0)] + [t32] * 2)
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.Adam([w], lr=0.0, betas=(0.9, b2), eps=eps)
+    # registered before the Monitor's post-hook, so it runs first: the state the Monitor reads is v
+    opt.register_step_post_hook(lambda o, args, kwargs: o.state[w]["exp_avg_sq"].copy_(v))
+    mon = Monitor(None, opt)
+    w.grad = torch.ones(4)
+    opt.step()
+    expected = (v < t32).float().mean().item()  # 0.25: the neighbour below only
+    assert expected != (v.double() < thr).float().mean().item()  # 0.75 in float64: the comparisons differ
+    assert mon.to_dataset().adam_eps_frac.values[0] == pytest.approx(expected)
+
+
 def test_adam_param_groups_with_different_hyperparameters():
     """Per-group betas / eps (the slow, per-coordinate bias-correction path) against the state."""
     torch.manual_seed(3)

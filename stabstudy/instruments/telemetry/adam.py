@@ -75,6 +75,12 @@ class AdamCache:
         # step counts on a GPU (capturable / fused Adam) are used there: reading them would sync
         self.device_steps = any(t is not None and t.device.type != "cpu" for t in self.steps)
         self.m_flat, self.v_flat = flat_views(self.ms), flat_views(self.vs)
+        # eps^2 (1 - beta2^t) as a 0-d host tensor, set through its numpy view: a Python float
+        # argument costs torch a wrapped tensor per call, twice the comparison's dispatch. A 0-d
+        # tensor does not promote the float32 buffer (as the float did not), and a device kernel
+        # reads a host scalar when it is launched
+        self.thr = torch.zeros((), dtype=torch.float64)
+        self.thr_np = self.thr.numpy()
         self.ok = True
 
     def flat_m(self) -> list[torch.Tensor]:
@@ -158,7 +164,8 @@ def adam_stats(st: OptState, params: list[torch.Tensor], dv: list[torch.Tensor])
         torch.dot(y, y, out=dv[DevField.M2])
         torch.cat(ad.flat_v(), out=y)
         torch.sum(y, 0, out=dv[DevField.VSUM])
-        torch.lt(y, e * e * bc2, out=y)
+        ad.thr_np[()] = e * e * bc2
+        torch.lt(y, ad.thr, out=y)
         torch.sum(y, 0, out=dv[DevField.NBELOW])
         return bc1, bc2
     inv1, inv2, thr = per_param(st.opt, ad, hps, st.flat.buf.device)
