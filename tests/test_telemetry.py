@@ -696,6 +696,28 @@ def test_parameter_replaced_by_one_of_another_shape():
     assert np.isnan(ds.xgrad.values[[0, 2]]).all() and np.isfinite(ds.xgrad.values[[1, 3]]).all()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_parameter_data_replaced_by_one_of_the_same_shape(layout):
+    """p.data = another tensor of the same shape between steps (new storage; a transposed one is not
+    contiguous): the parameters before the step are read from the new data, so the update is the
+    applied one (the Monitor keeps views of the parameters' data while their pointers stay put)."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    mon = Monitor(None, opt)
+    ratios = []
+    for i in range(4):
+        if i == 2:
+            w.data = torch.randn(4, 3) * 3.0 if layout == "contiguous" else torch.randn(3, 4).T * 3.0
+        opt.zero_grad()
+        (w.pow(2).sum() + w.sum()).backward()
+        before = w.detach().clone()
+        opt.step()
+        ratios.append(((w.detach() - before).norm() / before.norm()).item())
+    ds = mon.to_dataset()
+    np.testing.assert_allclose(ds.update_ratio.values, ratios, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["sparse", "complex"])
 def test_sparse_or_complex_gradients_record_grad_norm_only(kind):
     torch.manual_seed(0)

@@ -59,6 +59,10 @@ class FlatBuffer:
     key: tuple[int, ...]  #: ids of the parameters it was built for
     N: int  #: elements of the stepped parameters (of their local shards where sharded)
     n_total: int = -1  #: elements over every shard (set by the Monitor; -1 until then)
+    #: 1-D views of the parameters' data (None: one is not contiguous), valid while their data
+    #: pointers are ``ptrs`` (``p.data`` may be replaced by a tensor of the same size)
+    pviews: list[torch.Tensor] | None = None
+    ptrs: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, params: list[torch.Tensor], key: tuple[int, ...]) -> FlatBuffer:
@@ -76,6 +80,16 @@ class FlatBuffer:
         return cls(buf=buf, flat=flat, rows=rows, slots=buf[Row.G0:Row.G1 + 1, :N],
                    slot_w=[buf[Row.G0::2, :N], buf[Row.G1:, :N]], sizes=sizes, dtypes=[p.dtype for p in params],
                    sizes_dev=sizes_dev, key=key, N=N)
+
+    def param_views(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters as 1-D tensors for one ``torch.cat(..., out=)`` (a foreach copy
+        dispatches once per tensor: ``docs/benchmarks.md``); reshaped copies where one is not
+        contiguous."""
+        ptrs = [p.data_ptr() for p in params]
+        if ptrs != self.ptrs:
+            self.ptrs = ptrs
+            self.pviews = [p.detach().view(-1) for p in params] if all(p.is_contiguous() for p in params) else None
+        return self.pviews if self.pviews is not None else [p.detach().reshape(-1) for p in params]
 
     def fits(self, params: list[torch.Tensor], key: tuple[int, ...]) -> bool:
         """Whether it still serves ``params`` (same set, same device, same sizes and dtypes:

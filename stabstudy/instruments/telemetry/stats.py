@@ -4,8 +4,8 @@ Each function writes sums (see :class:`~stabstudy.instruments.telemetry.channels
 by ``out=`` into 0-d views of the optimizer's device block and never reads a tensor back.
 
 A measured step copies the gradient into one of two gradient slots of a flat buffer (:class:`~stabstudy.instruments.telemetry.state.FlatBuffer`; the other slot holds the
-previous step's gradient, for ``xgrad``) and the parameters into a third row, by
-``torch._foreach_copy_``; after the step ``torch._foreach_sub_`` turns
+previous step's gradient, for ``xgrad``) by ``torch._foreach_copy_``, and the parameters into a
+third row by one ``torch.cat`` of their 1-D views; after the step ``torch._foreach_sub_`` turns
 that row into -u = w_before - w_after. The sums then run on flat rows, one kernel each (a
 foreach reduction launches one per tensor), pairs of dot products sharing a vector as one
 matrix-vector product.
@@ -119,12 +119,13 @@ def grad_only(st: OptState, grads: list[torch.Tensor], dv: list[torch.Tensor],
 
 def before_update(st: OptState, params: list[torch.Tensor], grads: list[torch.Tensor],
                   dv: list[torch.Tensor], pair: torch.Tensor, linked: bool, per_layer: bool) -> None:
-    """A measured step's pre-hook: copy the gradient into its slot and the parameters into the
-    third row (one foreach copy), then g.G0 and g.G1 into ``pair`` by one matrix-vector product
-    (||g||^2 and, when ``linked``, g.g_prev: the other slot holds the previous own step's
-    gradient; otherwise a value no channel reads), and ||w_before||^2."""
+    """A measured step's pre-hook: copy the gradient into its slot (a foreach copy) and the
+    parameters into the third row (one ``torch.cat``), then g.G0 and g.G1 into ``pair`` by one
+    matrix-vector product (||g||^2 and, when ``linked``, g.g_prev: the other slot holds the
+    previous own step's gradient; otherwise a value no channel reads), and ||w_before||^2."""
     fb, slot, inv, prev_inv = st.flat, st.prev.slot, st.cur.inv, st.prev.inv
-    torch._foreach_copy_(fb.rows[slot] + fb.rows[Row.W], grads + params)
+    torch._foreach_copy_(fb.rows[slot], grads)
+    torch.cat(fb.param_views(params), out=fb.flat[Row.W])
     torch.mv(fb.slots, fb.flat[slot], out=pair)
     w = fb.flat[Row.W]
     torch.dot(w, w, out=dv[DevField.W2])
