@@ -289,12 +289,13 @@ class Monitor:
         if not 0 <= s < self._host.n:
             return NAN
         g2, seen = 0.0, False
-        for st, (kind, slot) in zip(self._opts, self._host.a[s, :, [HostField.KIND, HostField.SLOT]].T.tolist(), strict=True):
+        H = self._host.a[s]  # learners check it after every update: no fancy indexing, no tensor indexing
+        for st, kind, slot in zip(self._opts, H[:, HostField.KIND].tolist(), H[:, HostField.SLOT].tolist(), strict=True):
             if not kind >= Kind.GRAD:  # also NaN: the optimizer did not step in this row
                 continue
             seen, blk = True, st.block
             if blk is not None and blk.base <= s < blk.base + blk.used:
-                g2 += float(blk.t[s - blk.base, DevField.GPG if slot == 1.0 else DevField.G2].item())
+                g2 += blk.value(s, DevField.GPG if slot == 1.0 else DevField.G2)
             else:
                 self._copies.drain(wait=True)
                 g2 += float(self._dev.rows(s + 1)[0][s, st.index, DevField.G2])

@@ -151,6 +151,12 @@ class Block:
             p = self._pairs[r] = (self.t[r, DevField.G2:DevField.GPG + 1], self.t[r, DevField.NUG:DevField.U2 + 1])
         return p
 
+    def value(self, row: int, field: int) -> float:
+        """Field ``field`` of row ``row`` as a float (a host sync on a GPU), through the row's cached
+        0-d views where the hooks built them."""
+        v = self._views[row - self.base]
+        return float((v[field] if v is not None else self.t[row - self.base, field]).item())
+
     def pre_fields(self, row: int) -> torch.Tensor:
         """Row ``row``'s fields a pre-hook writes (G2, GPG, W2), as one tensor."""
         return self.t[row - self.base, :DevField.NUG]
