@@ -78,12 +78,6 @@ def _executed(profile: str) -> list[Path]:
     nbs = sorted(src.glob("[0-9][0-9]_*.ipynb"))
     if not nbs:
         raise FileNotFoundError(f"no executed notebooks in {src}; run `stabstudy study --profile {profile}` first")
-    # results/<profile>/ is replaced as a whole and its manifest names one commit: publishing after
-    # `--only` would drop every other notebook's page and claims
-    missing = sorted({p.stem for p in paths.notebooks_dir().glob("[0-9][0-9]_*.ipynb")} - {p.stem for p in nbs})
-    if missing:
-        raise FileNotFoundError(f"{src} lacks the executed {', '.join(missing)}; results/{profile}/ is made from the "
-                                f"whole study: run `stabstudy study --profile {profile}` (stored runs are reused)")
     return nbs
 
 
