@@ -15,7 +15,9 @@ time per variant, training throughput (gradient updates/s and env steps/s):
 
 Evaluation episodes are excluded (they are a measurement, not overhead: the
 plain SB3 script would evaluate too). Target: overhead <= 5 %; the controller's over
-``callback`` is printed as its own ratio.
+``callback`` is printed as its own ratio. ``in hooks``: the Monitor's own time per gradient update
+(``Monitor.cost``, all optimizers) and its share of plain SB3's wall time, a steadier number than
+the ratios on a loaded machine.
 
 Forks (``stabstudy.learners.rl.forks``): the cost of storing and of restoring one checkpoint
 with a full replay buffer of ``--checkpoint-buffer`` transitions (default: the quick profile's
@@ -49,8 +51,9 @@ from stabstudy.spec import RunSpec
 TARGETS = {"callback": 1.05, "controller": 1.02}
 
 
-def one(spec: RunSpec, variant: str) -> tuple[float, int | None]:
-    """Wall time of one training run of ``variant`` and its gradient updates (None for ``plain``)."""
+def one(spec: RunSpec, variant: str) -> tuple[float, int | None, float]:
+    """Wall time of one training run of ``variant``, its gradient updates (None for ``plain``) and the
+    seconds spent inside the Monitor's hooks (``Monitor.cost``; 0 without a Monitor)."""
     model = rl.build_model(spec)
     if variant == "controller":  # never alarms: the cost of watching
         spec = spec.replace(hparams={"controller": "z_skip", "controller_threshold": 1e9})
@@ -60,7 +63,8 @@ def one(spec: RunSpec, variant: str) -> tuple[float, int | None]:
     model.learn(spec.steps, callback=cb)
     dt = time.perf_counter() - t0
     model.env.close()
-    return dt, rec.n_updates if rec is not None else None
+    hook_s = rec.monitor.cost().hook_s if rec is not None and rec.monitor is not None else 0.0
+    return dt, rec.n_updates if rec is not None else None, hook_s
 
 
 def checkpoint_cost(spec: RunSpec, buffer: int, repeats: int) -> tuple[float, float, int]:
@@ -118,22 +122,28 @@ def main() -> None:
     spec = RunSpec("rl", args.algo, args.env, args.steps, 0, hparams=hp)
     variants = ["plain", "callback", "no-monitor", "controller"]
     times: dict[str, list[float]] = {v: [] for v in variants}
+    hooks: dict[str, list[float]] = {v: [] for v in variants}
     updates = 0
     one(spec, "plain")  # warm-up (imports, MuJoCo compile)
     for r in range(args.repeats):
         order = variants if r % 2 == 0 else variants[::-1]
         for v in order:
-            dt, n = one(spec, v)
+            dt, n, hook_s = one(spec, v)
             times[v].append(dt)
+            hooks[v].append(hook_s)
             updates = n or updates
     base = statistics.median(times["plain"])
     print(f"{args.algo} on {args.env}: {args.steps} env steps, {updates} gradient updates, hidden {args.hidden}, "
           f"batch {rl.hparams_for(spec)['batch_size'] if 'batch_size' in rl.hparams_for(spec) else '-'}, "
           f"monitor every {args.monitor_every}, {args.repeats} interleaved repeats (median)")
-    print(f"{'variant':<12} {'wall s':>8} {'updates/s':>10} {'env steps/s':>12} {'overhead':>9}")
+    # in hooks: the Monitor's own time per update (Monitor.cost), steadier than the wall-time ratio
+    # on a loaded machine, and as a share of plain SB3's wall time
+    print(f"{'variant':<12} {'wall s':>8} {'updates/s':>10} {'env steps/s':>12} {'overhead':>9} "
+          f"{'in hooks ms/update':>19} {'of plain':>9}")
     for v in variants:
-        m = statistics.median(times[v])
-        print(f"{v:<12} {m:8.2f} {updates / m:10.1f} {args.steps / m:12.1f} {100 * (m / base - 1):8.1f}%")
+        m, h = statistics.median(times[v]), statistics.median(hooks[v])
+        hook = f"{1e3 * h / updates:19.3f} {100 * h / base:8.1f}%" if h else ""
+        print(f"{v:<12} {m:8.2f} {updates / m:10.1f} {args.steps / m:12.1f} {100 * (m / base - 1):8.1f}% {hook}")
     ratio = statistics.median(times["callback"]) / base
     ctrl = statistics.median(times["controller"]) / statistics.median(times["callback"])
     floor = statistics.median(times["no-monitor"]) / base
