@@ -169,7 +169,8 @@ def analyse(ds: xr.Dataset, specs: Sequence[RunSpec], *, calibration_seeds: Sequ
     every detector, sensitivity, specificity, held-out kinds).
 
     ``null`` names the unperturbed runs when the default (:func:`stabstudy.analysis.warning.evaluation.run_info`)
-    does not fit, e.g. a spontaneous family whose null is another configuration.
+    does not fit, e.g. a spontaneous family where every run is one where nothing was done (its event
+    runs then count with their quiet steps before each warning window, :func:`~stabstudy.analysis.warning.evaluation.event_free`).
     """
     labels = label_runs(ds, rule)
     info = E.run_info(ds, labels, calibration_seeds)
