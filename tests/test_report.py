@@ -90,3 +90,24 @@ def test_no_executed_notebooks_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
     assert main(["report", "--profile", "smoke"]) == 2
     assert "run `stabstudy study --profile smoke` first" in capsys.readouterr().err
+
+
+def test_publishing_one_notebook_keeps_the_other_pages_and_drops_removed_notebooks(study):
+    report.publish("quick")
+    out = study / "results" / "quick"
+    nb = nbformat.read(study / "build" / "quick" / "00_demo.ipynb", as_version=4)
+    nb.metadata["papermill"] = {"duration": 3.0, "end_time": "2026-12-02T03:00:03"}
+    for d in ("notebooks", "build/quick"):
+        nbformat.write(nb, study / d / "01_other.ipynb")
+    (study / "build" / "quick" / "00_demo.ipynb").unlink()  # a study run with --only 01
+    (study / "build" / "quick" / "claims" / "00_demo.csv").rename(study / "build" / "quick" / "claims" / "01_other.csv")
+    report.publish("quick")
+    text = (out / "CLAIMS.md").read_text()
+    assert "| 00_demo | slope = log sigma |" in text and "| 01_other | slope = log sigma |" in text
+    assert "00_demo 12 s, 01_other 3 s" in text and "2026-12-02T03:00:03" in text
+    assert (out / "00_demo.md").exists() and (out / "figures" / "00_demo" / "main.png").exists()
+    assert report.check("quick") == []
+    (study / "notebooks" / "00_demo.ipynb").unlink()  # a removed notebook leaves no page behind
+    report.publish("quick")
+    assert not (out / "00_demo.md").exists() and not (out / "figures" / "00_demo").exists()
+    assert "00_demo" not in (out / "CLAIMS.md").read_text()

@@ -414,6 +414,32 @@ def test_callbacks_in_a_plain_sb3_script():
         model.learn(10, callback=CallbackList(cbs))
 
 
+def test_evaluation_episodes_side_by_side_equal_one_at_a_time():
+    """One eval env per episode steps the episodes together (one batched predict per step); the
+    returns equal each episode played alone on its seeded start, also when episodes end at
+    different steps; a wrong number of envs is refused."""
+    from stable_baselines3 import TD3
+
+    model = TD3("MlpPolicy", rl.make_env("Pendulum-v1", Schedule(()), seed=1), policy_kwargs={"net_arch": [8]}, seed=1)
+    lengths = (30, 12, 30)
+    alone = []
+    for i, n in enumerate(lengths):
+        env, ret, done = rl.make_eval_env("Pendulum-v1", n), 0.0, False
+        obs, _ = env.reset(seed=7 + i)
+        while not done:
+            obs, r, term, trunc, _ = env.step(model.predict(obs, deterministic=True)[0])
+            ret, done = ret + float(r), term or trunc
+        alone.append(ret)
+    cb = rlpkg.EvaluationCallback(None, [rl.make_eval_env("Pendulum-v1", n) for n in lengths], episodes=3, seed=7)
+    cb.model = model
+    np.testing.assert_allclose(cb._episodes([0, 1, 2]), alone, rtol=1e-6)
+    one = rlpkg.EvaluationCallback(None, rl.make_eval_env("Pendulum-v1", 30), episodes=3, seed=7)
+    one.model = model
+    assert [one._episodes([i])[0] for i in (0, 2)] == pytest.approx([alone[0], alone[2]], rel=1e-6)
+    with pytest.raises(ValueError, match="one per episode"):
+        rlpkg.EvaluationCallback(None, [rl.make_eval_env("Pendulum-v1")] * 2, episodes=3)
+
+
 def test_callbacks_compose_in_any_order(monkeypatch):
     """The same spec gives the same data whatever the order of its callbacks: the lr-spike hooks
     run before the Monitor's, an evaluation due at a weight_noise step sees the policy before it,

@@ -106,43 +106,68 @@ def _render(nb: Path, out: Path) -> tuple[float, str]:
     return float(pm.get("duration") or float("nan")), str(pm.get("end_time") or "")
 
 
-def _claims_rows(profile: str, stems: list[str]) -> list[str]:
+def _claims_rows(profile: str, stem: str) -> list[str]:
     import pandas as pd
 
     from stabstudy.analysis import claims
 
-    rows: list[str] = []
-    for stem in stems:
-        f = paths.claims_dir(profile) / f"{stem}.csv"
-        if not f.exists():
-            rows.append(f"| {stem} | (no claims table saved) | | | | | | | | |")
-            continue
-        df = pd.read_csv(f, keep_default_na=False, na_values=[""])
-        for line in claims.to_markdown(df).splitlines()[2:]:
-            rows.append(f"| {stem} {line}")
-    return rows
+    f = paths.claims_dir(profile) / f"{stem}.csv"
+    if not f.exists():
+        return [f"| {stem} | (no claims table saved) | | | | | | | | |"]
+    df = pd.read_csv(f, keep_default_na=False, na_values=[""])
+    return [f"| {stem} {line}" for line in claims.to_markdown(df).splitlines()[2:]]
+
+
+def _kept(out: Path, executed: list[str]) -> dict[str, dict]:
+    """The pages of ``out`` (already published) to keep: notebooks that still exist and were not
+    executed this time, each with its manifest entry (commit, end time, wall time, sources, claim rows)."""
+    f = out / "manifest.json"
+    if not f.exists():
+        return {}
+    old = json.loads(f.read_text())
+    alive = {nb.stem for nb in (paths.root() / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    return {stem: e for stem, e in old.get("notebooks", {}).items()
+            if stem in alive and stem not in executed and (out / f"{stem}.md").exists()}
 
 
 def publish(profile: str = "quick") -> list[Path]:
-    """Write ``results/<profile>/`` from ``build/<profile>/`` and ``figures/``; return the files written."""
+    """Write ``results/<profile>/`` from ``build/<profile>/`` and ``figures/``; return the files written.
+
+    The notebooks executed in ``build/<profile>/`` replace their pages; the pages of the other
+    notebooks stay as they were published, with their own commit and date (a study run with
+    ``--only`` publishes what it ran and keeps the rest). ``CLAIMS.md`` names each page's commit."""
     from stabstudy.run.store import git_commit
 
     executed = _executed(profile)
-    commit = git_commit()  # before the old results go: removing tracked files would read as +dirty
+    commit = git_commit()  # before the old pages go: removing tracked files would read as +dirty
     out = paths.results_dir(profile)
-    if out.exists():
-        shutil.rmtree(out)  # a notebook removed since must not leave its old page behind
-    out.mkdir(parents=True)
-    timings, ends = {}, []
+    stems = [nb.stem for nb in executed]
+    kept = _kept(out, stems)
+    if out.exists():  # only the kept pages, their images and figures survive
+        for f in sorted(out.iterdir()):
+            owner = f.name.removesuffix(".md").removesuffix("_files")
+            if f.name != "figures" and owner not in kept:
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
+        for d in sorted((out / "figures").glob("*")):
+            if d.name not in kept:
+                shutil.rmtree(d)
+    out.mkdir(parents=True, exist_ok=True)
+    sources = source_hashes()
+    pages = dict(kept)
     for nb in executed:
-        timings[nb.stem], end = _render(nb, out)
-        ends.append(end)
+        wall, end = _render(nb, out)
         for png in sorted(paths.figures_dir(nb.stem).glob("*.png")):
             target = out / "figures" / nb.stem / png.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
-    stems = [nb.stem for nb in executed]
+        pages[nb.stem] = {"commit": commit, "end": end, "wall_s": wall, "claims": _claims_rows(profile, nb.stem),
+                          "sources": sources}
+    pages = dict(sorted(pages.items()))
+    commits = list(dict.fromkeys(e["commit"] for e in pages.values()))
+    ends = [e["end"] for e in pages.values() if e["end"]]
     versions = _versions()
+    code = f"commit `{commits[0]}`" if len(commits) == 1 else \
+        "per notebook (below; a page is replaced when its notebook is run again)"
     head = [
         f"# Claims of the `{profile}` study",
         "",
@@ -150,34 +175,56 @@ def publish(profile: str = "quick") -> list[Path]:
         "every verdict is computed by the rules in `stabstudy/analysis/claims.py` "
         "(supported / not supported / inconclusive / not tested; p-values Holm-adjusted within each notebook).",
         "",
-        f"- profile: `{profile}`; code: commit `{commit}`",
+        f"- profile: `{profile}`; code: {code}",
         f"- machine: {_machine()}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
-        f"- study finished: {max(ends) if any(ends) else 'unknown'}",
-        "- wall time per notebook: " + ", ".join(f"{s} {t:.0f} s" for s, t in timings.items()),
+        f"- study finished: {max(ends) if ends else 'unknown'}",
+        "- wall time per notebook: " + ", ".join(f"{s} {e['wall_s']:.0f} s" for s, e in pages.items()),
+        *([] if len(commits) == 1 else
+          ["- commit and end per notebook: " + ", ".join(f"{s} `{e['commit'][:12]}` {e['end'] or 'unknown'}"
+                                                         for s, e in pages.items())]),
         "",
         "| notebook | claim | source | effect [CI] | n | test | p (Holm) | verdict | reason |",
         "|---|---|---|---|---|---|---|---|---|",
-        *_claims_rows(profile, stems),
+        *[row for e in pages.values() for row in e["claims"]],
         "",
-        "Notebooks: " + ", ".join(f"[{s}]({s}.md)" for s in stems),
+        "Notebooks: " + ", ".join(f"[{s}]({s}.md)" for s in pages),
         "",
     ]
     (out / "CLAIMS.md").write_text("\n".join(head))
-    manifest = {"profile": profile, "commit": commit, "sources": source_hashes()}
+    manifest = {"profile": profile, "notebooks": pages}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 
+def _notebook_of(path: str) -> str | None:
+    """The stem of a notebook's own file (``notebooks/NN_name.ipynb``), None for a shared source."""
+    name = Path(path)
+    if name.parent.as_posix() == "notebooks" and name.suffix == ".ipynb" and name.stem[:2].isdigit():
+        return name.stem
+    return None
+
+
 def check(profile: str = "quick") -> list[str]:
-    """What changed in the sources since ``results/<profile>/`` was made (empty when current)."""
+    """What changed in the sources since the pages of ``results/<profile>/`` were made (empty when
+    current): each page against the sources it was made from (the library and its own notebook;
+    another notebook's file does not make it stale), and every notebook without a page."""
     f = paths.results_dir(profile) / "manifest.json"
     if not f.exists():
         return [f"no published results in {f.parent}: run `stabstudy study --profile {profile}` "
                 f"then `stabstudy report --profile {profile}`"]
-    then = json.loads(f.read_text())["sources"]
-    now = source_hashes()
-    changed = [f"changed: {p}" for p in sorted(set(then) & set(now)) if then[p] != now[p]]
-    changed += [f"added: {p}" for p in sorted(set(now) - set(then))]
-    changed += [f"removed: {p}" for p in sorted(set(then) - set(now))]
-    return changed
+    pages = json.loads(f.read_text()).get("notebooks", {})
+    now, changed = source_hashes(), {}
+    for stem, e in pages.items():
+        then = e["sources"]
+        mine = {p for p in set(then) | set(now) if _notebook_of(p) in (None, stem)}
+        for p in sorted(mine):
+            kind = "changed" if p in then and p in now and then[p] != now[p] else \
+                "added" if p not in then else "removed" if p not in now else None
+            if kind:
+                changed[f"{kind}: {p}"] = None
+    for p in now:
+        if _notebook_of(p) and _notebook_of(p) not in pages:
+            changed[f"added: {p}"] = None
+    order = {"changed": 0, "added": 1, "removed": 2}
+    return sorted(changed, key=lambda c: (order[c.split(":")[0]], c))

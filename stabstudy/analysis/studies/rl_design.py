@@ -196,16 +196,17 @@ def sign_test_power(n: int, p_up: float, alpha: float = 0.05) -> float:
 # -- the cost of a design ---------------------------------------------------------------------
 
 #: Training env steps per second of one worker (``OMP_NUM_THREADS=1``) on HalfCheetah-v5 with the
-#: study's callbacks, evaluations left out: ``benchmarks/rl_overhead.py --algo A --repeats 1`` on the
-#: 2-core development machine when idle (the planning rates of issue 26's work order, 2026-12). On
-#: 2026-12-04 03:00 UTC under a load of 5-8 the same command gave PPO 1849, SAC 60, TD3 70 (the
-#: ``callback`` row): the rates fall with the load, so :func:`calibration` rescales them from the
-#: wall times of stored prefixes where there are some.
-TRAIN_RATES = {"ppo": 600.0, "a2c": 600.0, "sac": 125.0, "td3": 200.0, "ddpg": 200.0}
-#: Env steps per second of a deterministic evaluation episode (policy forward and MuJoCo step) of a
-#: 64-unit policy on HalfCheetah-v5, measured on 2026-12-04 03:02 UTC under a load of 6 on 2 cores
-#: (3 episodes, ``build_model`` untrained policies): PPO 2000, SAC 1312, TD3 1704.
-EVAL_RATES = {"ppo": 2000.0, "a2c": 2000.0, "sac": 1312.0, "td3": 1704.0, "ddpg": 1704.0}
+#: study's callbacks (Monitor every update), evaluations left out: the ``callback`` row of
+#: ``benchmarks/rl_overhead.py --algo A --repeats 1 --checkpoint-buffer 0`` on the idle 2-core
+#: development machine, 2026-12-04 20:29 UTC (load 0.7): PPO 1132, SAC 187, TD3 356. Under a load of
+#: 5-8 (03:00 UTC that day) the same command gave SAC 60 and TD3 70: the rates fall with the
+#: load, so :func:`calibration` rescales them from the wall times of stored prefixes where there are some.
+TRAIN_RATES = {"ppo": 1100.0, "a2c": 1100.0, "sac": 185.0, "td3": 350.0, "ddpg": 350.0}
+#: Env steps per second of a deterministic evaluation (five episodes side by side, one batched forward
+#: pass per step, MuJoCo steps) of an untrained 64-unit policy on HalfCheetah-v5, one thread, on the
+#: idle development machine, 2026-12-04 20:35 UTC: PPO 9978, SAC 8989, TD3 10182 (one episode at a
+#: time: 3888, 3306, 4327).
+EVAL_RATES = {"ppo": 9500.0, "a2c": 9500.0, "sac": 8500.0, "td3": 9500.0, "ddpg": 9500.0}
 
 
 def run_cost(spec, episode_steps: int = 1000) -> dict[str, float]:

@@ -359,7 +359,10 @@ class EvaluationCallback(RecorderCallback):
 
     Args:
         recorder: the shared :class:`Recorder` (None: a new one).
-        eval_env: a gymnasium env (not vectorised, no perturbation wrappers).
+        eval_env: a gymnasium env (not vectorised, no perturbation wrappers), or one per episode: the
+            episodes of an evaluation then step side by side, one batched ``predict`` per step (a
+            single env runs them one after another). Both give the same returns up to the last
+            bits of the batched forward pass.
         every: evaluate every this many env steps (0: only at start and end).
         episodes: episodes per evaluation.
         seed: episode ``i`` of each evaluation resets with ``seed + i``.
@@ -368,7 +371,10 @@ class EvaluationCallback(RecorderCallback):
     def __init__(self, recorder: Recorder | None, eval_env: Any, every: int = 0, episodes: int = 2,
                  seed: int = EVAL_SEED_OFFSET, verbose: int = 0):
         super().__init__(recorder, verbose)
-        self.eval_env = eval_env
+        self.eval_envs = list(eval_env) if isinstance(eval_env, (list, tuple)) else [eval_env]
+        if len(self.eval_envs) not in (1, int(episodes)):
+            raise ValueError(f"EvaluationCallback needs one eval env or one per episode ({episodes}), "
+                             f"got {len(self.eval_envs)}")
         self.every = int(every)
         self.episodes = int(episodes)
         self.seed = int(seed)
@@ -407,19 +413,9 @@ class EvaluationCallback(RecorderCallback):
             return
         t = self.model.num_timesteps
         self._last_env_step, self._last_updates = t, self.recorder.n_updates
-        rets = []
-        norm = self.model.get_vec_normalize_env()  # the policy sees normalised observations
         try:
-            for i in range(self.episodes):
-                obs, _ = self.eval_env.reset(seed=self.seed + i)
-                done, ret = False, 0.0
-                while not done:
-                    action, _ = self.model.predict(norm.normalize_obs(obs) if norm is not None else obs,
-                                                   deterministic=True)
-                    obs, r, term, trunc, _ = self.eval_env.step(action)
-                    ret += float(r)
-                    done = term or trunc
-                rets.append(ret)
+            batches = [range(self.episodes)] if len(self.eval_envs) > 1 else [[i] for i in range(self.episodes)]
+            rets = [r for b in batches for r in self._episodes(list(b))]
             perf = float(np.mean(rets))
             spread = float(np.std(rets, ddof=1)) if len(rets) > 1 else math.nan
         except Exception as e:  # a NaN policy can crash the simulator
@@ -430,6 +426,26 @@ class EvaluationCallback(RecorderCallback):
         row["perf_std"] = spread
         row["perf_env_step"] = float(t)
         self.recorder.evaluated(perf)
+
+    def _episodes(self, idx: list[int]) -> list[float]:
+        """Returns of the episodes ``idx`` (episode ``i`` on env ``i`` of several, or all on the one
+        env), stepped side by side: one ``predict`` for the envs still running."""
+        envs = [self.eval_envs[i] if len(self.eval_envs) > 1 else self.eval_envs[0] for i in idx]
+        norm = self.model.get_vec_normalize_env()  # the policy sees normalised observations
+        obs = [env.reset(seed=self.seed + i)[0] for env, i in zip(envs, idx)]
+        rets, live = [0.0] * len(idx), list(range(len(idx)))
+        while live:
+            batch = np.stack([obs[j] for j in live])
+            actions, _ = self.model.predict(norm.normalize_obs(batch) if norm is not None else batch,
+                                            deterministic=True)
+            still = []
+            for j, a in zip(live, actions):
+                obs[j], r, term, trunc, _ = envs[j].step(a)
+                rets[j] += float(r)
+                if not (term or trunc):
+                    still.append(j)
+            live = still
+        return rets
 
 
 class DiagnosticsCallback(RecorderCallback):

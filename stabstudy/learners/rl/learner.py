@@ -68,7 +68,9 @@ from stabstudy.spec import RunSpec
 #: 4: the closing evaluation is of the policy after the last update (before, an evaluation due at the
 #: last env step ran before the train() call that follows it, so a run's curve ended one rollout, or
 #: one train call, short of its end and the last update of a prefix was never evaluated).
-RESULTS_VERSION = 4
+#: 5: an evaluation's episodes step side by side, one batched forward pass per step (returns equal
+#: to the one-at-a-time episodes' up to the last bits of the forward pass; 2.3-2.8x faster).
+RESULTS_VERSION = 5
 
 ALGOS = tuple(LEARNERS["rl"])
 #: The stable-baselines3 class of each learner.
@@ -130,7 +132,8 @@ def callbacks_for(spec: RunSpec, monitor: bool = True, evaluation: bool = True) 
                                     purge_replay=bool(hp.get("purge_replay", False))))
     if evaluation:
         span = spec.steps - (forks.prefix_steps(spec) if forks.role(spec) == "fork" else 0)
-        cbs.append(EvaluationCallback(rec, make_eval_env(spec.task, hp["eval_max_steps"]),
+        cbs.append(EvaluationCallback(rec, [make_eval_env(spec.task, hp["eval_max_steps"])
+                                            for _ in range(int(hp["eval_episodes"]))],
                                       every=spec.eval_every or max(1, span // 20),
                                       episodes=int(hp["eval_episodes"]), seed=spec.seed + EVAL_SEED_OFFSET))
     cbs.append(DiagnosticsCallback(rec, every=int(hp["diag_every"]), seed=spec.seed))
