@@ -163,3 +163,26 @@ def test_the_vectorized_bootstrap_gives_the_same_interval():
     d = np.random.default_rng(5).standard_normal(17)
     for stat in (np.mean, np.median):
         assert C._boot_ci((d,), stat, 0.95, 0, vectorized=True) == C._boot_ci((d,), stat, 0.95, 0)
+
+
+def test_all_of_holds_only_when_every_part_does_and_carries_the_largest_p():
+    rng = np.random.default_rng(0)
+    up, flat = rng.normal(1.0, 0.2, 12), rng.normal(0.0, 0.2, 12)
+    yes = [C.paired_difference(f"up {i}", "our own", up + i * 0.1, np.zeros(12), direction="greater") for i in range(2)]
+    no = C.paired_difference("down", "our own", -up, np.zeros(12), direction="greater")
+    vague = C.paired_difference("flat", "our own", flat, np.zeros(12), direction="greater")
+    both = C.all_of("both", "our own", yes, ["a", "b"], n=12, test="intersection")
+    assert both.verdict == "supported" and both.p == max(c.p for c in yes) and both.p_decides
+    assert both.reason == "a: supported; b: supported"
+    assert C.all_of("x", "our own", [yes[0], no], ["a", "b"], n=12, test="t").verdict == "not supported"
+    assert C.all_of("x", "our own", [yes[0], vague], ["a", "b"], n=12, test="t").verdict == "inconclusive"
+    missing = [C.not_tested("a", "our own", "no data"), C.not_tested("b", "our own", "no data")]
+    assert C.all_of("x", "our own", missing, ["a", "b"], n=0, test="t").verdict == "not tested"
+    assert C.all_of("x", "our own", [], [], n=0, test="t").verdict == "inconclusive"
+    # after Holm the joint falls with its weakest part
+    weak = C.Claim("weak", "our own", "supported", "", n=12, test="t", p=0.03, p_decides=True)
+    strong = C.Claim("strong", "our own", "supported", "", n=12, test="t", p=1e-4, p_decides=True)
+    joint = C.all_of("joint", "our own", [weak, strong], ["weak", "strong"], n=12, test="t")
+    verdicts = C.table([weak, strong, joint]).set_index("claim").verdict
+    assert verdicts["weak"] == verdicts["joint"] == "inconclusive" and verdicts["strong"] == "supported"
+    assert C.table([weak, strong, joint], alpha=0.2).set_index("claim").verdict["joint"] == "supported"

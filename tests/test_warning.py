@@ -357,9 +357,9 @@ def test_grid_shares_notebook_02_runs():
 # -- the claims of notebook 04 ----------------------------------------------------------------------
 
 
-def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, n_null: int = 8):
+def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, n_null: int = 8, on: float = 0.01):
     """A MetaStudy holding only what ``claims`` reads: slow-onset events with the given leads (plus
-    noise), null runs with ``fa`` false alarms per 1,000 steps (plus noise)."""
+    noise), null runs with ``fa`` false alarms per 1,000 steps and ``on`` of their steps in alarm (plus noise)."""
     from stabstudy.analysis.studies import meta_state
 
     rng = np.random.default_rng(0)
@@ -370,7 +370,8 @@ def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, 
     leads = pd.DataFrame({"meta-state t2": meta_lead + rng.normal(0, 2, n_events),
                           "EWMA z x": single_lead + rng.normal(0, 2, n_events)}, index=ev)
     fa_runs = pd.DataFrame({"meta-state t2": np.clip(fa + rng.normal(0, 0.3, n_null), 0, None)}, index=nulls)
-    evaluation = E.Evaluation(pd.Series(dtype=float), pd.DataFrame(), leads, fa_runs, {})
+    in_alarm = pd.DataFrame({"meta-state t2": np.clip(on + rng.normal(0, 0.005, n_null), 0, 1)}, index=nulls)
+    evaluation = E.Evaluation(pd.Series(dtype=float), pd.DataFrame(), leads, fa_runs, {}, in_alarm)
     best_meta = {"all": "meta-state t2", "slow-onset": "meta-state t2"}
     best_single = {"all": "EWMA z x", "slow-onset": "EWMA z x"}
     return meta_state.MetaStudy(info, None, None, None, [], evaluation, leads, best_single, best_meta,
@@ -402,5 +403,8 @@ def test_meta_state_claims_pass_fail_and_go_untested():
     bad = _verdicts(_study(meta_lead=-5, single_lead=20, fa=5.0))
     assert _pick(bad, earlier, "slow-onset") == _pick(bad, before, "slow-onset") == "not supported"
     assert _pick(bad, quiet) == "not supported"
+    # one alarm that comes on and stays on: few up-crossings, most steps in alarm
+    stuck = _verdicts(_study(meta_lead=30, single_lead=5, fa=0.0, on=0.6))
+    assert _pick(stuck, quiet) == "not supported"
     empty = _verdicts(_study(meta_lead=0, single_lead=0, fa=0.0, n_events=0, n_null=0))
     assert set(empty.values()) <= {"not tested", "inconclusive"}

@@ -84,6 +84,29 @@ def test_thresholds_are_calibrated_on_unperturbed_runs_only():
     assert list(ev.fa_runs.index) == ["u1"]
 
 
+def test_false_alarms_and_time_in_alarm_count_on_every_null_runs_quiet_steps():
+    """A run where nothing was done but an event came (a spontaneous spike) counts its steps before
+    the warning window in the per-run false alarms, as in the table's rate; an alarm that stays on
+    counts once as an up-crossing and for its length in the time in alarm."""
+    n = 300
+    s = np.zeros((3, n))
+    s[1, 100:] = 5.0  # an alarm from step 100 that stays on (a quiet run)
+    s[2, 60] = 5.0  # one false alarm before the event run's warning window
+    scores = xr.DataArray(s[None], dims=("detector", "run", "step"),
+                          coords={"detector": ["d"], "run": ["u0", "u1", "e1"], "step": np.arange(n)})
+    info = pd.DataFrame({"seed": [0, 1, 2], "kind": "none", "dose": np.nan, "start": np.nan, "duration": np.nan,
+                         "family": "spontaneous", "event": [False, False, True], "onset": [-1, -1, 250], "end": n,
+                         "split": ["calibration", "evaluation", "evaluation"], "null": True}, index=scores["run"].values)
+    ev = E.evaluate(scores, info, [E.DetectorSpec("d", "x", "single", lambda: None)], budget=1.0, horizon=100,
+                    late=5, burn_in=50, n_boot=20, thresholds=pd.Series({"d": 1.0}))
+    assert list(ev.fa_runs.index) == ["u1", "e1"] and ev.table.iloc[0].n_null == 2
+    assert ev.fa_runs.loc["e1", "d"] == pytest.approx(1000.0 / 100)  # steps 50-150 before the window at 150
+    assert ev.fa_runs.loc["u1", "d"] == pytest.approx(1000.0 / 250)
+    assert ev.in_alarm_runs.loc["u1", "d"] == pytest.approx(200 / 250) and ev.in_alarm_runs.loc["e1", "d"] == pytest.approx(0.01)
+    total = ev.table.iloc[0]
+    assert total.fa_per_1k == pytest.approx(1000.0 * 2 / 350)
+
+
 # -- outcome classes ------------------------------------------------------------------------------------
 
 

@@ -78,6 +78,25 @@ def not_tested(claim: str, source: str, reason: str, n: int = 0) -> Claim:
     return Claim(claim, source, "not tested", reason, n=n)
 
 
+def all_of(claim: str, source: str, rows: Sequence[Claim], names: Sequence[str], *, n: int, test: str) -> Claim:
+    """The claim that every one of ``rows`` holds (an intersection-union test; ``names`` label them in
+    the reason): supported only if all are, with the largest of their p-values (so that Holm
+    re-checks it); not supported if any is not, with that row's p; not tested if all are; else
+    inconclusive."""
+    verdicts = [r.verdict for r in rows]
+    reason = "; ".join(f"{a}: {v}" for a, v in zip(names, verdicts, strict=True))
+    if verdicts and all(v == "supported" for v in verdicts):
+        p = max(r.p for r in rows)
+        return Claim(claim, source, "supported", reason, n=n, test=test, p=p,
+                     p_decides=all(r.p_decides for r in rows) and np.isfinite(p))
+    against = [r for r in rows if r.verdict == "not supported"]
+    if against:
+        return Claim(claim, source, "not supported", reason, n=n, test=test, p=against[0].p,
+                     p_decides=against[0].p_decides)
+    joint = "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive"
+    return Claim(claim, source, joint, reason or "no component claim", n=n, test=test)
+
+
 def _too_few(claim: str, source: str, n: int, min_n: int, test: str) -> Claim | None:
     if n == 0:
         return Claim(claim, source, "not tested", "no data", n=0, test=test)

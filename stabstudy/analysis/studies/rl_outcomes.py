@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import xarray as xr
 
-from stabstudy.analysis.claims import Claim, not_tested
+from stabstudy.analysis.claims import Claim, all_of, not_tested
 
 #: States of :func:`paired_outcome`.
 OUTCOME_STATES = ("collapsed", "recovered", "no_drop", "no_verdict")
@@ -616,14 +616,8 @@ def spike_policy_change(run: xr.Dataset, start: float, duration: float) -> dict[
 
 
 def intersection(claim: str, rows: Sequence[Claim], names: Sequence[str], n: int, test: str) -> Claim:
-    """The claim that every one of ``rows`` (one per name of ``names``) holds: supported only if all
-    are, not supported if any is not, not tested if none was tested, else inconclusive."""
-    verdicts = [r.verdict for r in rows]
-    joint = ("supported" if verdicts and all(v == "supported" for v in verdicts) else
-             "not supported" if "not supported" in verdicts else
-             "not tested" if verdicts and all(v == "not tested" for v in verdicts) else "inconclusive")
-    return Claim(claim, "source paper: the report under test", joint,
-                 "; ".join(f"{a.upper()}: {v}" for a, v in zip(names, verdicts, strict=True)), n=n, test=test)
+    """The claim that every one of ``rows`` (one per name of ``names``) holds (:func:`~stabstudy.analysis.claims.all_of`)."""
+    return all_of(claim, "source paper: the report under test", rows, [a.upper() for a in names], n=n, test=test)
 
 
 def checked(claim: Claim, ok: bool, reason: str) -> Claim:

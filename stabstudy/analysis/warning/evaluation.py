@@ -398,14 +398,17 @@ def window_max(scores: xr.DataArray, info: pd.DataFrame, horizon: int, burn_in: 
 class Evaluation:
     """What :func:`evaluate` returns: ``thresholds`` (detector -> calibrated threshold), ``table``
     (one row per detector and event family), ``leads`` (evaluation event runs x detectors, NaN
-    when missed), ``fa_runs`` (evaluation null runs x detectors: false alarms per 1,000 steps),
-    ``windows`` (event family -> :func:`window_max` of the evaluation runs for that family)."""
+    when missed), ``fa_runs`` (evaluation null runs x detectors: false alarms per 1,000 of the
+    run's event-free steps), ``windows`` (event family -> :func:`window_max` of the evaluation
+    runs for that family), ``in_alarm_runs`` (like ``fa_runs``: the share of those steps above
+    the threshold, :func:`time_in_alarm`; None where not measured)."""
 
     thresholds: pd.Series
     table: pd.DataFrame
     leads: pd.DataFrame
     fa_runs: pd.DataFrame
     windows: dict[str, pd.DataFrame]
+    in_alarm_runs: pd.DataFrame | None = None
 
 
 def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorSpec], *, budget: float = 1.0,
@@ -431,8 +434,12 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
         thresholds = pd.Series({d: calibrate(scores.sel(detector=d).values, segs, budget)
                                 for d in scores["detector"].values})
     lead = leads(scores, ev_info, thresholds, horizon=horizon, late=late, burn_in=burn_in)
-    nulls = nulls[~nulls.event]
+    # the false alarms count on every null run's event-free steps (a spontaneous event's run up to its
+    # warning window too), the same steps as fa_per_1k; the AUC's null side is the runs without an event
     fa_runs = pd.DataFrame(np.nan, index=nulls.index, columns=scores["detector"].values)
+    in_alarm_runs = fa_runs.copy()
+    quiet = nulls
+    nulls = nulls[~nulls.event]
     win = {}
     kind_of = {s.name: s.family for s in specs}
     rows = []
@@ -441,9 +448,10 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
         segs = {row[r]: ab for r, ab in free.items()}
         n_fa, n_steps = count_alarms(s, thresholds[det], segs)
         on = time_in_alarm(s, thresholds[det], segs)
-        for r in nulls.index:
+        for r in quiet.index:
             c, n = count_alarms(s, thresholds[det], {row[r]: free[r]})
             fa_runs.loc[r, det] = 1000.0 * c / n if n else np.nan
+            in_alarm_runs.loc[r, det] = time_in_alarm(s, thresholds[det], {row[r]: free[r]})
         for fam in ["all", *sorted(ev_info[ev_info.event].family.unique())]:
             evs = ev_info[ev_info.event & ((ev_info.family == fam) | (fam == "all"))]
             if fam not in win:
@@ -458,10 +466,10 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
                          "n_detected": hit, "rate": hit / len(evs) if len(evs) else np.nan, "rate_lo": lo,
                          "rate_hi": hi, "lead_median": med, "lead_lo": mlo, "lead_hi": mhi,
                          "fa_per_1k": 1000.0 * n_fa / n_steps if n_steps else np.nan, "in_alarm": on,
-                         "n_null": len(nulls),
+                         "n_null": len(quiet),
                          "auc": a, "auc_lo": alo,
                          "auc_hi": ahi, "threshold": thresholds[det]})
-    return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win)
+    return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win, in_alarm_runs)
 
 
 def best(lead: pd.DataFrame, candidates: Sequence[str], late: int) -> str:
