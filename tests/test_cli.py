@@ -255,3 +255,13 @@ def test_corrupt_and_failed_runs_are_listed_on_the_terminal(tmp_store, tmp_path,
     err = capsys.readouterr().err
     assert f"00_fake: stored run {good.spec_hash}.nc is corrupt (unreadable); recomputing" in err
     assert f"00_fake: run {bad.label} failed; traceback stored in {bad.spec_hash}.nc" in err
+
+
+def test_cpu_meter_counts_a_child_process_that_has_exited():
+    with study.CpuMeter(interval_s=0.05) as meter:
+        subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+                        "time.sleep(0.2)"], check=True)
+    assert 0.4 < meter.seconds < 5.0
+    with study.CpuMeter(interval_s=0.05) as idle:
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3)"], check=True)
+    assert idle.seconds < 0.4

@@ -25,8 +25,8 @@ def _cmd_study(args: argparse.Namespace) -> int:
     except SchedulerUnreachableError as exc:
         print(f"stabstudy study: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(t for _, t in timings)
-    print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s; "
+    total, cpu = sum(t[1] for t in timings), sum(t[2] for t in timings)
+    print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s wall, {cpu / 3600:.2f} CPU-hours; "
           f"executed copies in {paths.build_dir() / args.profile}/, figures in {paths.figures_dir()}/, "
           f"runs in {paths.runs_dir()}/")
     return 0

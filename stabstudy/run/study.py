@@ -227,6 +227,44 @@ class TerminalProgress:
             self.bar = None
 
 
+class CpuMeter:
+    """CPU seconds (user + system) of this process's descendants while the context is open: the
+    notebook's kernel and the Dask workers it starts, sampled every ``interval_s`` seconds
+    (psutil), so that a process that has exited counts with its last sample (a process that lived
+    less than one interval may be missed). ``seconds`` holds the total after the context closes."""
+
+    def __init__(self, interval_s: float = 2.0) -> None:
+        self.interval_s, self.seconds = interval_s, 0.0
+        self._last: dict[tuple[int, float], float] = {}  # (pid, create time) -> CPU seconds seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cpu-meter", daemon=True)
+
+    def __enter__(self) -> CpuMeter:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        self.seconds = sum(self._last.values())
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def sample(self) -> None:
+        import psutil
+
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                with proc.oneshot():
+                    t = proc.cpu_times()
+                    self._last[(proc.pid, proc.create_time())] = t.user + t.system
+            except psutil.Error:  # exited between the listing and the read
+                continue
+
+
 def kernel_manager_class() -> type:
     """The Jupyter kernel manager the study's kernels run under: local IPC sockets, not TCP.
 
@@ -249,8 +287,10 @@ def kernel_manager_class() -> type:
 
 
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
-              out_dir: Path | None = None, retry_failed: bool = False) -> list[tuple[str, float]]:
-    """Execute the selected notebooks in order; return ``(stem, seconds)`` per notebook.
+              out_dir: Path | None = None, retry_failed: bool = False) -> list[tuple[str, float, float]]:
+    """Execute the selected notebooks in order; return ``(stem, wall seconds, CPU seconds)`` per
+    notebook (:class:`CpuMeter`: the kernel and an embedded cluster's workers; a remote scheduler's
+    workers are not counted).
 
     Validation happens before anything is executed or written, the scheduler's too: one that does
     not answer (``scheduler``, else ``$STABSTUDY_SCHEDULER``) raises
@@ -280,16 +320,17 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                 print(f"== {nb.stem} ({profile})", flush=True)
                 progress = Path(tmp) / f"{nb.stem}.json"
                 os.environ[PROGRESS_ENV] = str(progress)  # the kernel inherits it
+                cpu = CpuMeter()
                 try:
-                    with TerminalProgress(nb.stem, progress):
+                    with TerminalProgress(nb.stem, progress), cpu:
                         pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
                                             parameters=parameters_for(nb, profile, scheduler, retry_failed),
                                             kernel_name="python3", progress_bar=True,
                                             kernel_manager_class=kernel_manager_class())
                 finally:  # a failed notebook's executed copy is read too
                     _tidy(out_dir / nb.name)
-                timings.append((nb.stem, time.perf_counter() - t0))
-                print(f"   {nb.stem}: {timings[-1][1]:.0f} s", flush=True)
+                timings.append((nb.stem, time.perf_counter() - t0, cpu.seconds))
+                print(f"   {nb.stem}: {timings[-1][1]:.0f} s wall, {cpu.seconds:.0f} CPU-s", flush=True)
     finally:
         for k, v in env_backup.items():
             if v is None:
