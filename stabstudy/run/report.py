@@ -81,8 +81,9 @@ def _executed(profile: str) -> list[Path]:
     return nbs
 
 
-def _render(nb: Path, out: Path) -> tuple[float, str]:
-    """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns (wall seconds, end time)."""
+def _render(nb: Path, out: Path) -> tuple[float, str, float]:
+    """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns (wall seconds, end time,
+    CPU seconds as ``stabstudy study`` measured them, NaN where it did not)."""
     import nbformat
     from nbconvert import MarkdownExporter
 
@@ -103,7 +104,9 @@ def _render(nb: Path, out: Path) -> tuple[float, str]:
         target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-    return float(pm.get("duration") or float("nan")), str(pm.get("end_time") or "")
+    cpu = node.metadata.get("stabstudy", {}).get("cpu_s")
+    return float(pm.get("duration") or float("nan")), str(pm.get("end_time") or ""), \
+        float(cpu) if cpu is not None else float("nan")
 
 
 def _claims_rows(profile: str, stem: str) -> list[str]:
@@ -116,6 +119,11 @@ def _claims_rows(profile: str, stem: str) -> list[str]:
         return [f"| {stem} | (no claims table saved) | | | | | | | | |"]
     df = pd.read_csv(f, keep_default_na=False, na_values=[""])
     return [f"| {stem} {line}" for line in claims.to_markdown(df).splitlines()[2:]]
+
+
+def _cpu(page: dict) -> str:
+    cpu = page.get("cpu_s", float("nan"))
+    return f"{cpu:.0f} s" if cpu == cpu else "not measured"
 
 
 def _kept(out: Path, executed: list[str]) -> dict[str, dict]:
@@ -155,12 +163,12 @@ def publish(profile: str = "quick") -> list[Path]:
     sources = source_hashes()
     pages = dict(kept)
     for nb in executed:
-        wall, end = _render(nb, out)
+        wall, end, cpu = _render(nb, out)
         for png in sorted(paths.figures_dir(nb.stem).glob("*.png")):
             target = out / "figures" / nb.stem / png.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
-        pages[nb.stem] = {"commit": commit, "end": end, "wall_s": wall, "claims": _claims_rows(profile, nb.stem),
+        pages[nb.stem] = {"commit": commit, "end": end, "wall_s": wall, "cpu_s": cpu, "claims": _claims_rows(profile, nb.stem),
                           "sources": sources}
     pages = dict(sorted(pages.items()))
     commits = list(dict.fromkeys(e["commit"] for e in pages.values()))
@@ -180,6 +188,8 @@ def publish(profile: str = "quick") -> list[Path]:
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"- study finished: {max(ends) if ends else 'unknown'}",
         "- wall time per notebook: " + ", ".join(f"{s} {e['wall_s']:.0f} s" for s, e in pages.items()),
+        "- CPU time per notebook (`stabstudy study`'s meter: the kernel and its workers): " +
+        ", ".join(f"{s} {_cpu(e)}" for s, e in pages.items()),
         *([] if len(commits) == 1 else
           ["- commit and end per notebook: " + ", ".join(f"{s} `{e['commit'][:12]}` {e['end'] or 'unknown'}"
                                                          for s, e in pages.items())]),

@@ -328,7 +328,7 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                                             kernel_name="python3", progress_bar=True,
                                             kernel_manager_class=kernel_manager_class())
                 finally:  # a failed notebook's executed copy is read too
-                    _tidy(out_dir / nb.name)
+                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds)
                 timings.append((nb.stem, time.perf_counter() - t0, cpu.seconds))
                 print(f"   {nb.stem}: {timings[-1][1]:.0f} s wall, {cpu.seconds:.0f} CPU-s", flush=True)
     finally:
@@ -340,13 +340,16 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     return timings
 
 
-def _tidy(executed: Path) -> None:
-    """Store ``executed`` with :func:`collapse_streams` applied and repeat its warnings on the terminal."""
+def _tidy(executed: Path, cpu_s: float | None = None) -> None:
+    """Store ``executed`` with :func:`collapse_streams` applied (and its CPU seconds in the
+    metadata, ``stabstudy.cpu_s``, for the report) and repeat its warnings on the terminal."""
     import nbformat
 
     if not executed.exists():
         return
     node = collapse_streams(nbformat.read(executed, as_version=4))
+    if cpu_s is not None:
+        node.metadata.setdefault("stabstudy", {})["cpu_s"] = round(float(cpu_s), 1)
     nbformat.write(node, executed)
     found = warnings_in(node)
     if found:
