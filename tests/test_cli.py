@@ -265,3 +265,16 @@ def test_cpu_meter_counts_a_child_process_that_has_exited():
     with study.CpuMeter(interval_s=0.05) as idle:
         subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3)"], check=True)
     assert idle.seconds < 0.4
+
+
+def test_the_study_says_how_long_its_notebooks_took_last_time(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    assert study.expected_times("quick", ["00_a"]) is None
+    (tmp_path / "results" / "quick").mkdir(parents=True)
+    pages = {"00_a": {"wall_s": 600.0, "commit": "abcdef123", "end": "2026-12-04T10:00:00"},
+             "01_b": {"wall_s": float("nan"), "commit": "abcdef123", "end": ""}}
+    (tmp_path / "results" / "quick" / "manifest.json").write_text(json.dumps({"notebooks": pages}))
+    line = study.expected_times("quick", ["00_a", "01_b"])
+    assert "10 min wall for 1 notebook(s): 00 10 min (abcdef1, 2026-12-04)" in line and "never measured: 01" in line

@@ -286,6 +286,26 @@ def kernel_manager_class() -> type:
     return IPCKernelManager
 
 
+def expected_times(profile: str, stems: Sequence[str]) -> str | None:
+    """A line saying how long ``stems`` took when their pages of ``results/<profile>/`` were made
+    (wall and CPU time, commit and date per page), or None when none is published. It is the
+    last measurement, not a forecast for this machine: a notebook whose runs are stored takes minutes."""
+    import json
+    import math
+
+    f = paths.results_dir(profile) / "manifest.json"
+    pages = json.loads(f.read_text()).get("notebooks", {}) if f.exists() else {}
+    known = [(s, pages[s]) for s in stems if s in pages and math.isfinite(pages[s].get("wall_s", math.nan))]
+    if not known:
+        return None
+    total = sum(e["wall_s"] for _, e in known)
+    parts = ", ".join(f"{s[:2]} {e['wall_s'] / 60:.0f} min ({e['commit'][:7]}, {str(e.get('end', ''))[:10]})"
+                      for s, e in known)
+    missing = [s[:2] for s in stems if s not in dict(known)]
+    return (f"last measured (results/{profile}, from scratch unless its runs were stored): {total / 60:.0f} min wall "
+            f"for {len(known)} notebook(s): {parts}" + (f"; never measured: {', '.join(missing)}" if missing else ""))
+
+
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
               out_dir: Path | None = None, retry_failed: bool = False) -> list[tuple[str, float, float]]:
     """Execute the selected notebooks in order; return ``(stem, wall seconds, CPU seconds)`` per
@@ -311,6 +331,9 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     out_dir = out_dir or paths.build_dir() / profile
     out_dir.mkdir(parents=True, exist_ok=True)
     timings = []
+    eta = expected_times(profile, [nb.stem for nb in selected])
+    if eta:
+        print(eta, flush=True)
     env_backup = {k: os.environ.get(k) for k in ("MPLBACKEND", PROGRESS_ENV)}
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
