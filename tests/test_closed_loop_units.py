@@ -46,7 +46,7 @@ def test_two_doses_of_one_prefix_are_one_unit():
     cl = _claims(out)
     damage = cl["z_skip reduces damage on ppo"]
     assert damage.n == 1 and damage.verdict == "inconclusive"  # 1 prefix, not 2 forks
-    assert "1 units of 2 forks" in damage.reason
+    assert "1 units of 2 runs" in damage.reason
     assert cl["z_skip prevents collapse"].n == 1
 
 
@@ -72,6 +72,13 @@ def test_runs_from_scratch_stay_their_own_units():
     out = _out([[0.1]] * 3, [[0.5]] * 3, doses=("x10",)).assign(domain="toy", prefix="")
     cl = _claims(out)["z_skip reduces damage on toy"]
     assert cl.n == 3 and cl.test == "paired t-test" and "units of" not in cl.reason
+
+
+def test_runs_from_scratch_of_one_seed_at_several_events_are_one_unit():
+    """A GPT or toy seed's runs at two events share everything up to the event step: one unit each seed."""
+    out = _out([[0.1, 0.2]] * 3, [[0.5, 0.9]] * 3).assign(domain="toy", prefix="")
+    cl = _claims(out)["z_skip reduces damage on toy"]
+    assert cl.n == 3 and "3 units of 6 runs" in cl.reason
 
 
 def _fork(learner="ppo", dose=None, seed=0, **hp):

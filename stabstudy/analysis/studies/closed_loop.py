@@ -34,7 +34,8 @@ uncontrolled fork of its prefix at the same env steps (:func:`.rl_outcomes.paire
 ``collapse`` its collapse rule over the window after the event (or diverged), ``damage`` the return
 lost against that fork as a fraction of the return ``scale`` (so that it reads as the losses' nats,
 "larger is worse"), ``recovery`` in env steps; steps are updates. The unit of its claims is the
-prefix, not the fork (:func:`unit_pairs`): forks of one prefix at several doses share its training.
+prefix, not the fork (:func:`unit_pairs`): forks of one prefix at several doses share its training;
+in the GPT and toy domains the seed, for the same reason.
 """
 
 from __future__ import annotations
@@ -452,11 +453,12 @@ def _any(x: pd.Series) -> float:
 
 def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
     """The units the claims count, from perturbed runs with a controller (``treated``) and their
-    twins (``control``: uncontrolled, or a comparator), paired on domain, event and seed. A run from
-    scratch (GPT, toy) is its own unit. In an RL domain the unit is the independently trained prefix
-    (column ``prefix``): its forks (one per event) share its training, so they are summarised into
-    one row per prefix, ``collapse_*`` 1 when any of its forks collapsed (NaN when none did and one
-    has no verdict), ``damage_*`` the mean over the forks where both twins have one. Columns: domain,
+    twins (``control``: uncontrolled, or a comparator), paired on domain, event and seed. The unit is
+    what the runs do not share: in a GPT or toy domain the seed (its runs at every event are the same
+    run up to the event step: same initialisation, same batches), in an RL domain the independently
+    trained prefix (column ``prefix``). A unit's runs (one per event) are summarised into one row,
+    ``collapse_*`` 1 when any of them collapsed (NaN when none did and one has no verdict),
+    ``damage_*`` the mean over the runs where both twins have one. Columns: domain,
     unit, forks, collapse_with / _without, damage_with / _without, damage_diff (of the unit) and
     ``fork_diffs`` (the forks' paired damage differences, for :func:`.rl_outcomes.design_effect`)."""
     key = ["domain", "event", "seed"]
@@ -467,7 +469,7 @@ def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
                          index=t.index).reset_index()
     rl = t["prefix"].fillna("").ne("").to_numpy() if "prefix" in t else np.zeros(len(t), bool)
     pairs["unit"] = np.where(rl, t["prefix"].to_numpy() if "prefix" in t else "",
-                             pairs.domain + " " + pairs.event + " seed " + pairs.seed.astype(str))
+                             pairs.domain + " seed " + pairs.seed.astype(str))
     both = pairs.damage_with.notna() & pairs.damage_without.notna()
     pairs["fork_diff"] = (pairs.damage_with - pairs.damage_without).where(both)
     pairs.loc[~both, ["damage_with", "damage_without"]] = np.nan
@@ -479,9 +481,10 @@ def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
 
 
 def _with_units(claim: C.Claim, units: pd.DataFrame) -> C.Claim:
-    """The claim's reason with its units where some unit summarises several forks (an RL prefix):
-    how many forks, and their design effect (:func:`.rl_outcomes.design_effect` of the forks' paired
-    damage differences within prefixes: how many forks are worth one independent prefix)."""
+    """The claim's reason with its units where some unit summarises several runs (a seed's runs at
+    every event, an RL prefix's forks): how many, and their design effect
+    (:func:`.rl_outcomes.design_effect` of the runs' paired damage differences within units: how
+    many of them are worth one independent unit)."""
     from stabstudy.analysis.studies import rl_outcomes as ro
 
     forks = int(units.forks.sum())
@@ -489,8 +492,8 @@ def _with_units(claim: C.Claim, units: pd.DataFrame) -> C.Claim:
         return claim
     diffs = [(d, u) for u, ds in zip(units.unit, units.fork_diffs, strict=True) for d in ds if np.isfinite(d)]
     icc, deff = ro.design_effect([d for d, _ in diffs], [u for _, u in diffs])
-    return ro.replace_reason(claim, f"{claim.reason}; n = {claim.n} units of {forks} forks (an RL unit is a prefix, "
-                                    f"its forks at every event summarised); design effect {deff:.2f} (ICC {icc:.2f})")
+    return ro.replace_reason(claim, f"{claim.reason}; n = {claim.n} units of {forks} runs (a unit is a seed, or an RL "
+                                    f"prefix: its runs at every event summarised); design effect {deff:.2f} (ICC {icc:.2f})")
 
 
 def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], budget: float,
