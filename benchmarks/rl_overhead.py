@@ -70,7 +70,8 @@ def one(spec: RunSpec, variant: str) -> tuple[float, int | None, float]:
 def checkpoint_cost(spec: RunSpec, buffer: int, repeats: int) -> tuple[float, float, int]:
     """Median seconds to save and to load a checkpoint of ``spec``'s model with a full replay buffer of
     ``buffer`` transitions (filled with random ones after a short training), and its size in bytes."""
-    spec = spec.replace(steps=buffer, hparams={"buffer_size": buffer, "prefix_steps": buffer})
+    on_policy = spec.learner in ON_POLICY  # a rollout buffer: nothing to fill, no buffer_size to set
+    spec = spec.replace(steps=buffer, hparams={"prefix_steps": buffer, **({} if on_policy else {"buffer_size": buffer})})
     model = rl.build_model(spec)
     model.learn(min(spec.steps, 300))
     rb = getattr(model, "replay_buffer", None)
@@ -156,7 +157,9 @@ def main() -> None:
     if args.checkpoint_buffer:
         step = statistics.median(times["callback"]) / args.steps
         save, load, size = checkpoint_cost(spec, args.checkpoint_buffer, args.repeats)
-        print(f"checkpoint with {args.checkpoint_buffer} replay transitions ({size / 2**20:.1f} MiB): "
+        what = "no replay buffer (on-policy)" if spec.learner in ON_POLICY else \
+            f"{args.checkpoint_buffer} replay transitions"
+        print(f"checkpoint with {what} ({size / 2**20:.1f} MiB): "
               f"save {1e3 * save:.0f} ms = {save / step:.0f} training steps, "
               f"load {1e3 * load:.0f} ms = {load / step:.0f} training steps (one step {1e3 * step:.2f} ms)")
 
