@@ -432,14 +432,14 @@ class EvaluationCallback(RecorderCallback):
         env), stepped side by side: one ``predict`` for the envs still running."""
         envs = [self.eval_envs[i] if len(self.eval_envs) > 1 else self.eval_envs[0] for i in idx]
         norm = self.model.get_vec_normalize_env()  # the policy sees normalised observations
-        obs = [env.reset(seed=self.seed + i)[0] for env, i in zip(envs, idx)]
+        obs = [env.reset(seed=self.seed + i)[0] for env, i in zip(envs, idx, strict=True)]
         rets, live = [0.0] * len(idx), list(range(len(idx)))
         while live:
             batch = np.stack([obs[j] for j in live])
             actions, _ = self.model.predict(norm.normalize_obs(batch) if norm is not None else batch,
                                             deterministic=True)
             still = []
-            for j, a in zip(live, actions):
+            for j, a in zip(live, actions, strict=True):
                 obs[j], r, term, trunc, _ = envs[j].step(a)
                 rets[j] += float(r)
                 if not (term or trunc):
