@@ -301,9 +301,11 @@ def test_the_standard_profile_is_quick_for_every_notebook_but_01_and_the_full_de
     assert len(standard["seeds"]) >= 8 and standard["long_prefix_steps"] and standard["noise_levels"]
     assert not quick["long_prefix_steps"] and not quick["noise_levels"]  # one regime, no claim (c) at quick
     assert quick["claim_dose"] in quick["lr_doses"] and quick["eval_episodes"] >= 5
-    # quick's prefixes decide claim (a) with power >= 0.8 at the planning rates 0.9 vs 0.1 (issue 26)
-    n = len(quick["seeds"])
-    assert rl_design.boschloo_power(0.9, 0.1, n, n) >= 0.8 > rl_design.boschloo_power(0.9, 0.1, n - 1, n - 1)
+    # quick's prefixes: each of claim (a)'s comparisons has power >= 0.8 at the planning rates 0.9 vs 0.1, both
+    # together >= 0.9 at 0.95 vs 0.05 (issue 26), and one prefix fewer would not
+    n, a = len(quick["seeds"]), 0.025
+    assert rl_design.boschloo_power(0.9, 0.1, n, n, alpha=a) >= 0.8 > rl_design.boschloo_power(0.9, 0.1, n - 1, n - 1, alpha=a)
+    assert rl_design.boschloo_power(0.95, [0.05, 0.05], n, n, alpha=a) >= 0.9
 
 
 @pytest.mark.parametrize("profile", ["smoke", "quick", "standard", "paper"])
