@@ -408,3 +408,15 @@ def test_meta_state_claims_pass_fail_and_go_untested():
     assert _pick(stuck, quiet) == "not supported"
     empty = _verdicts(_study(meta_lead=0, single_lead=0, fa=0.0, n_events=0, n_null=0))
     assert set(empty.values()) <= {"not tested", "inconclusive"}
+
+
+def test_the_quiet_claim_counts_seeds_not_runs():
+    """Two null runs of one seed (the toy's spiking and beta2-null runs share initialisation and batches)
+    are one unit of the quiet claim."""
+    from stabstudy.analysis.studies import meta_state
+
+    study = _study(meta_lead=30, single_lead=5, fa=0.0)
+    study.info["seed"] = [100 + i for i in range(10)] + [i // 2 for i in range(8)]
+    assert meta_state.quiet_claim(study).n == 4
+    del study.info["seed"]
+    assert meta_state.quiet_claim(study).n == 8
