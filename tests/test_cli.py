@@ -63,7 +63,7 @@ def test_study_summary_names_where_things_went(tmp_path, capsys, monkeypatch):
     """The closing line points at the folders actually used ($STABSTUDY_DATA / _FIGURES honoured)."""
     monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
     monkeypatch.setenv("STABSTUDY_FIGURES", str(tmp_path / "figs"))
-    monkeypatch.setattr(study, "run_study", lambda profile, only, scheduler, **kw: [("00_x", 1.0)])
+    monkeypatch.setattr(study, "run_study", lambda profile, only, scheduler, **kw: [("00_x", 1.0, 2.0)])
     assert main(["study", "--profile", "smoke", "--only", "00"]) == 0
     out = capsys.readouterr().out
     assert f"figures in {tmp_path / 'figs'}/" in out and f"runs in {tmp_path / 'data' / 'runs'}/" in out
