@@ -262,6 +262,9 @@ def test_the_policy_change_of_a_spike_window_is_measured_per_update_and_over_the
     ppo = O.spike_policy_change(_run(env, lr=[1] * 6, update_norm=[1] * 6, approx_kl=[0, np.nan, 0.02, np.nan, 0.04, 0]),
                                 2000, 256)
     assert ppo["policy_updates"] == 4 and ppo["kl"] == pytest.approx(0.03) and np.isnan(ppo["relative_path"])
+    # PPO inside a Dataset of every learner's runs: its actor variables exist and are NaN
+    merged = _run(env, lr=[1] * 6, update_norm=[2] * 6, lr_actor=[np.nan] * 6, update_norm_actor=[np.nan] * 6)
+    assert O.spike_policy_change(merged, 2000, 256)["update_path"] == 8.0
 
 
 def _prefix_rows(rates):

@@ -553,6 +553,11 @@ def _window(run: xr.Dataset, start: float, duration: float) -> np.ndarray:
     return inside
 
 
+def _measured(run: xr.Dataset, channel: str) -> bool:
+    """Whether ``run`` holds a finite value of ``channel``."""
+    return channel in run and bool(np.isfinite(np.asarray(run[channel].values, dtype=float)).any())
+
+
 def spiked_updates(run: xr.Dataset, start: float, duration: float, *, rtol: float = 1e-6) -> dict[str, int]:
     """Gradient updates of one run (dim ``step``) that its lr spike reached, per optimizer: rows with
     ``env_step`` in ``[start, start + duration)`` (past the run's first row) where the learning rate the
@@ -599,7 +604,9 @@ def spike_policy_change(run: xr.Dataset, start: float, duration: float) -> dict[
 
     NaN where the run lacks the channel or has no measured row in the window."""
     inside = _window(run, start, duration)
-    sfx = "_actor" if "update_norm_actor" in run else ""
+    # by values, not by name: in a Dataset of PPO, SAC and TD3 runs every run carries the actor's
+    # variables, all NaN for PPO (reading them gave PPO no policy change at all)
+    sfx = "_actor" if _measured(run, "update_norm_actor") else ""
 
     def mean(ch):
         if ch not in run:
