@@ -10,7 +10,8 @@ each optimizer step, and the early-warning analysis replays the same classes ove
   :class:`NonFinite`, :class:`KendallEWS` (critical slowing down);
 * :mod:`.drift`: :class:`ADWINGrid`, :class:`PageHinkley` (river, imported when built);
 * :mod:`.features`: the detector inputs and their leakage guard;
-* :mod:`.metastate`: :class:`MetaState`, the joint state of many channels (T^2, Q, coordination).
+* :mod:`.metastate`: :class:`MetaState`, the joint state of many channels (T^2, Q, coordination),
+  and :class:`MetaDetector`, its T^2 or Q as a detector of a Controller's ``meta`` signal.
 
 It imports nothing else of the package but its core modules. See docs/online.md.
 """
@@ -27,7 +28,16 @@ from stabstudy.online.detectors import (
            kendall_tau,
 )
 from stabstudy.online.drift import ADWINGrid, PageHinkley
-from stabstudy.online.metastate import MetaConfig, MetaRow, MetaState, PCAModel, coordination, t2_q
+from stabstudy.online.metastate import (
+           META_STATISTICS,
+           MetaConfig,
+           MetaDetector,
+           MetaRow,
+           MetaState,
+           PCAModel,
+           coordination,
+           t2_q,
+)
 from stabstudy.online.robust import (
            MAD_SCALE,
            RobustScaler,
@@ -36,6 +46,7 @@ from stabstudy.online.robust import (
            rolling_robust_z,
 )
 
-__all__ = ["MAD_SCALE", "ADWINGrid", "Detector", "KendallEWS", "Level", "MetaConfig", "MetaRow", "MetaState",
+__all__ = ["MAD_SCALE", "META_STATISTICS", "ADWINGrid", "Detector", "KendallEWS", "Level", "MetaConfig", "MetaDetector",
+           "MetaRow", "MetaState",
            "NonFinite", "PCAModel", "PageHinkley", "RobustScaler", "RobustZ", "WindowZ", "ZClipZ", "coordination",
            "ews_indicator", "features", "kendall_tau", "rolling_median_mad", "rolling_robust_z", "t2_q"]

@@ -114,12 +114,16 @@ def matrix(data: Mapping[str, np.ndarray], features: Sequence[str], kinds: Itera
     return np.stack([column(data, f, log) for f in features], axis=-1)
 
 
+def channels_of(features: Iterable[str]) -> set[str]:
+    """The channels ``features`` are computed from (a :data:`DERIVED` feature reads two)."""
+    return {c for f in features for c in (DERIVED[f][:2] if f in DERIVED else (f,))}
+
+
 def row(values: Mapping[str, float], features: Sequence[str], log: bool = True) -> np.ndarray:
     """One step's features (shape (feature,)) from a mapping of that step's channel values.
 
     The streaming counterpart of :func:`matrix` (same transforms); the guard runs once, when the
     detector or meta-state is built, not on every step.
     """
-    need = {c for f in features for c in (DERIVED[f][:2] if f in DERIVED else (f,))}
-    data = {c: np.asarray(values[c], dtype=float) for c in need}
+    data = {c: np.asarray(values[c], dtype=float) for c in channels_of(features)}
     return np.array([float(column(data, f, log)) for f in features])

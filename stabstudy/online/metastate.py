@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 
 from stabstudy.online import features as F
+from stabstudy.online.base import Detector
 from stabstudy.online.robust import RobustScaler
 
 
@@ -154,3 +155,51 @@ class MetaState:
         if self._n >= self.config.corr_window:
             share, eff = (float(v) for v in coordination(self._zbuf))
         return MetaRow(t2, q, share, eff, z)
+
+
+#: The meta-state statistics a :class:`MetaDetector` can alarm on.
+META_STATISTICS: tuple[str, ...] = ("t2", "q")
+
+
+class MetaDetector(Detector):
+    """The meta-state as a streaming detector: ``update(row) -> score``, the ``statistic``
+    (Hotelling's ``t2`` or ``q``) of :class:`MetaState` after the step's row of channels.
+
+    A :class:`~stabstudy.interventions.control.Controller` feeds it on its ``meta`` signal with
+    the Monitor's last complete row, before each step lands. Build it with
+    :func:`stabstudy.analysis.warning.metastate.calibrate_detector` (PCA and threshold from
+    unperturbed runs, as notebook 04 calibrates the meta-state), or from a :class:`PCAModel`.
+
+    Args:
+        pca: the in-control PCA; its ``features`` are the detector's.
+        statistic: one of :data:`META_STATISTICS`.
+        threshold: alarm when the statistic exceeds it.
+        config: :class:`MetaConfig` (the one the PCA's rows were standardised with).
+        kinds: perturbation kinds in play (the leakage guard).
+        burn_in: rows fed before the first score (NaN before: the calibration's burn-in, so that
+            the standardisation has its window of past values when the detector may alarm).
+    """
+
+    def __init__(self, pca: PCAModel, statistic: str = "t2", threshold: float = float("inf"),
+                 config: MetaConfig | None = None, kinds: Sequence[str] = (), burn_in: int = 0,
+                 name: str | None = None):
+        if statistic not in META_STATISTICS:
+            raise ValueError(f"unknown meta-state statistic {statistic!r}; valid: {', '.join(META_STATISTICS)}")
+        self.state = MetaState(pca.features, pca, config, kinds)
+        self.statistic, self.threshold, self.burn_in = statistic, float(threshold), int(burn_in)
+        self.name = name or f"meta_{statistic}"
+        self._seen = 0
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        return self.state.features
+
+    def update(self, row: np.ndarray | Mapping[str, float]) -> float:  # type: ignore[override]
+        """Feed one step's row (a feature row, or a mapping of channels where a channel the row
+        lacks reads NaN, as an unmeasured channel does); return the statistic (NaN in warm-up)."""
+        if isinstance(row, Mapping):
+            row = {c: row.get(c, np.nan) for c in F.channels_of(self.features)}
+        score = float(getattr(self.state.update(row), self.statistic))
+        self._seen += 1
+        return score if self._seen > self.burn_in else float("nan")
+

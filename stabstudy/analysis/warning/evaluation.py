@@ -41,7 +41,7 @@ from tqdm.std import tqdm  # not tqdm.auto: without ipywidgets it warns into eve
 
 from stabstudy import online as D
 from stabstudy.analysis.warning.metastate import fit_pca, replay
-from stabstudy.online import MetaConfig, MetaState, PCAModel
+from stabstudy.online import META_STATISTICS, MetaConfig, MetaDetector, MetaState, PCAModel
 from stabstudy.online import features as F
 
 #: Event family of a run by its perturbation kind (``none``: an unperturbed run).
@@ -123,19 +123,12 @@ def _channels(ds: xr.Dataset, run: str, names: set[str]) -> dict[str, np.ndarray
     return {c: np.asarray(ds[c].sel(run=run).values, dtype=float) for c in names if c in ds}
 
 
-def _needed(feats: Sequence[str]) -> set[str]:
-    out = set()
-    for f in feats:
-        out.update(F.DERIVED[f][:2] if f in F.DERIVED else (f,))
-    return out
-
-
 def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | None, config: MetaConfig,
                  kinds: Sequence[str] = ()) -> xr.Dataset:
     """The streaming :class:`MetaState` of every run: variables ``t2``, ``q``, ``coordination``,
     ``eff_dim`` (dims run, step) and ``z`` (dims run, step, feature)."""
     F.check(meta_features, kinds)
-    need = _needed(meta_features)
+    need = F.channels_of(meta_features)
     n_run, n_step = ds.sizes["run"], ds.sizes["step"]
     out = {k: np.full((n_run, n_step), np.nan) for k in ("t2", "q", "coordination", "eff_dim")}
     z = np.full((n_run, n_step, len(meta_features)), np.nan)
@@ -156,7 +149,7 @@ def meta_replay(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | No
     """:func:`meta_streams` computed with the vectorised :func:`replay` (equal to 1e-9, much faster):
     for refits that repeat the meta-state over many runs."""
     F.check(meta_features, kinds)
-    need = _needed(meta_features)
+    need = F.channels_of(meta_features)
     stats = ("t2", "q", "coordination", "eff_dim")
     parts = [replay(F.matrix(_channels(ds, run, need), meta_features, kinds), pca, config) for run in ds["run"].values]
     coords = {"run": ds["run"].values, "step": ds["step"].values, "feature": list(meta_features)}
@@ -172,12 +165,12 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
     scores, dims ``(detector, run, step)``.
     """
     feats = [s.feature for s in specs if not s.feature.startswith("meta:")]
-    need = _needed(feats)
+    need = F.channels_of(feats)
     out = np.full((len(specs), ds.sizes["run"], ds.sizes["step"]), np.nan)
     runs = ds["run"].values
     for i, run in enumerate(tqdm(runs, desc="detectors", disable=not progress, mininterval=10)):  # few redraws
         data = _channels(ds, run, need)
-        cols = {f: F.column(data, f) for f in set(feats) if _needed([f]) <= set(data)}
+        cols = {f: F.column(data, f) for f in set(feats) if F.channels_of([f]) <= set(data)}
         for j, sp in enumerate(specs):
             if sp.feature.startswith("meta:"):
                 if meta is None:
@@ -511,7 +504,7 @@ def in_control_rows(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[
                     kinds: Sequence[str], burn_in: int, horizon: int) -> np.ndarray:
     """Smoothed z rows (shape (row, feature)) of the in-control steps of the runs of ``info``:
     from ``burn_in`` to the first of the perturbation start, ``onset - horizon`` and the run's end."""
-    need = _needed(meta_features)
+    need = F.channels_of(meta_features)
     rows = []
     for run, x in info.iterrows():
         stop = int(x.end)
@@ -531,6 +524,33 @@ def fit_meta(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[str], c
     """:func:`stabstudy.analysis.warning.metastate.fit_pca` on :func:`in_control_rows` of ``info``'s runs."""
     z = in_control_rows(ds, info, meta_features, config, kinds, burn_in, horizon)
     return fit_pca(z, meta_features, n_components)
+
+
+def calibrate_detector(runs: Sequence[xr.Dataset], features: Sequence[str], *, statistic: str = "t2",
+                       budget: float = 1.0, burn_in: int | None = None, config: MetaConfig | None = None,
+                       n_components: int | float = 0.9, kinds: Sequence[str] = ()) -> MetaDetector:
+    """The meta-state as a Controller detector, calibrated as notebook 04 calibrates it on its null:
+    the PCA fitted on the smoothed z rows of ``runs`` (unperturbed runs, e.g. ``Monitor.to_dataset()``
+    of each; dim ``step``) past ``burn_in`` (default: the standardisation window), and the threshold,
+    the lowest at which ``statistic`` crosses up at most ``budget`` times per 1,000 of those steps.
+
+    Raises ``ValueError`` naming the channels the runs lack."""
+    if statistic not in META_STATISTICS:
+        raise ValueError(f"unknown meta-state statistic {statistic!r}; valid: {', '.join(META_STATISTICS)}")
+    cfg = config or MetaConfig()
+    burn = cfg.window if burn_in is None else int(burn_in)
+    need = F.channels_of(features)
+    for i, run in enumerate(runs):
+        missing = sorted(need - set(run.data_vars))
+        if missing:
+            raise ValueError(f"run {i} lacks channel(s) {missing} that {list(features)} read")
+    xs = [F.matrix(run, features, kinds) for run in runs]
+    pca = fit_pca(np.concatenate([replay(x, None, cfg)["zs"][burn:] for x in xs]), features, n_components)
+    scores = np.full((len(xs), max(len(x) for x in xs)), np.nan)
+    for i, x in enumerate(xs):
+        scores[i, :len(x)] = replay(x, pca, cfg)[statistic]
+    threshold = calibrate(scores, {i: (burn, len(x)) for i, x in enumerate(xs)}, budget)
+    return MetaDetector(pca, statistic, threshold, cfg, kinds, burn_in=burn)
 
 
 def ews_reference(x: np.ndarray, indicator: str, detrend: int, window: int, span: int) -> np.ndarray:

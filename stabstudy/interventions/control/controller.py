@@ -6,7 +6,9 @@ It attaches to any torch optimizer through its step hooks (``register_step_pre_h
 pre-step view (:meth:`Monitor.add_pre_step_hook`), which hands over the gradient norm the Monitor
 computed anyway. The detectors are those of :mod:`stabstudy.online` (any
 object with ``update(value) -> score`` and ``alarm(score)``), fed with ``grad_norm`` (read in the
-pre-hook) and ``loss`` (given with :meth:`Controller.observe` before ``optimizer.step()``).
+pre-hook) and ``loss`` (given with :meth:`Controller.observe` before ``optimizer.step()``), or
+with ``meta``: the Monitor's last complete row (every channel of the previous update) for a
+:class:`~stabstudy.online.MetaDetector`, the meta-state's T^2 or Q; it needs ``attach(opt, monitor)``.
 
 With ``attach(..., before_clip=True)`` the detectors judge the gradient as ``backward()`` left it,
 read in each parameter's post-accumulate-grad hook, not as the optimizer receives it: a learner
@@ -35,7 +37,7 @@ import torch
 from stabstudy.interventions.control.actions import Action, AdaptiveClip, StepContext
 from stabstudy.online import Detector
 
-SIGNALS = ("grad_norm", "loss")
+SIGNALS = ("grad_norm", "loss", "meta")
 
 
 class Policy:
@@ -121,10 +123,11 @@ class Controller(StepHooks):
 
     Args:
         detector: one detector fed with ``signal``, or a mapping ``signal -> detector``; an alarm
-            of any of them triggers the policy. Signals: ``grad_norm``, ``loss``.
+            of any of them triggers the policy. Signals: ``grad_norm``, ``loss``, ``meta`` (a
+            :class:`~stabstudy.online.MetaDetector` of the Monitor's previous row).
         policy: what to do on an alarm.
         signal: the signal of a single detector.
-        log: feed ``log10`` of the signals (the detectors of notebook 04 read log-scaled norms).
+        log: feed ``log10`` of the scalar signals (the detectors of notebook 04 read log-scaled norms).
         warmup: steps before the controller may act (the detectors still learn).
         ref_window: non-alarm gradient norms kept as the adaptive clip's reference.
 
@@ -149,6 +152,7 @@ class Controller(StepHooks):
                 self._clips = True
         self._handles: list[Any] = []
         self._loss: float = math.nan
+        self._row: Mapping[str, float] | None = None  # the Monitor's previous row, for the meta signal
         self._step: int | None = None  # the learner's step, when observe() names it
         self._count = 0  # steps seen
         self._acted: dict[int, int] = {}  # step -> action code
@@ -163,12 +167,16 @@ class Controller(StepHooks):
         ``backward()`` left it (see the module docstring). Returns self."""
         if self.optimizer is not None:
             raise RuntimeError("this controller is attached already; build one per optimizer")
+        if "meta" in self.detectors and monitor is None:
+            raise ValueError("the 'meta' signal is the Monitor's previous row: attach(optimizer, monitor)")
         self.optimizer = optimizer
         if before_clip:
             self._watch_raw(optimizer)
         if monitor is not None:
             def via_monitor(opt, stats):
                 if opt is optimizer:
+                    if "meta" in self.detectors:  # the previous update's row is complete, this one's not yet
+                        self._row = monitor.row(stats.step - 1) if stats.step > 0 else None
                     self._pre(opt, stats.grad_norm)
             self._handles.append(monitor.add_pre_step_hook(via_monitor))
         else:
@@ -202,11 +210,13 @@ class Controller(StepHooks):
                 return
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         g = float(grad_norm) if grad_norm is not None else math.nan
-        values = {"grad_norm": g if raw is None else float(raw), "loss": self._loss}
+        values = {"grad_norm": g if raw is None else float(raw), "loss": self._loss, "meta": self._row}
         alarm, worst = False, -math.inf
         for sig, det in self.detectors.items():  # every detector sees every step
             v = values[sig]
-            if self.log:
+            if v is None:  # the first update has no previous row
+                continue
+            if self.log and sig != "meta":
                 v = math.log10(v) if v > 0 else (math.nan if math.isfinite(v) else v)
             score = det.update(v)
             if det.alarm(score):
