@@ -141,6 +141,7 @@ def test_terminal_progress_draws_one_bar_per_grid_and_ignores_garbage(tmp_path, 
     bars.poll()
     assert bars.bar is not first and bars.bar.total == 3
     bars._close()
+    assert bars.runs == (4 + 3, 2)  # computed, found stored: what the page will say its time was
     err = capsys.readouterr().err
     assert "02_nb grid 1" in err and "6/6" in err and "02_nb grid 2" in err and "0/3" in err
     assert "4/6 [00:20<00:20" in err  # ETA from the kernel's clock: 2 runs in 20 s, 2 to go
@@ -268,13 +269,37 @@ def test_cpu_meter_counts_a_child_process_that_has_exited():
 
 
 def test_the_study_says_how_long_its_notebooks_took_last_time(tmp_path, monkeypatch):
+    """Stored-run times are never passed off as from-scratch ones: the page says which it was."""
     import json
 
     monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
     assert study.expected_times("quick", ["00_a"]) is None
     (tmp_path / "results" / "quick").mkdir(parents=True)
-    pages = {"00_a": {"wall_s": 600.0, "commit": "abcdef123", "end": "2026-12-04T10:00:00"},
-             "01_b": {"wall_s": float("nan"), "commit": "abcdef123", "end": ""}}
+    when = {"commit": "abcdef123", "end": "2026-12-04T10:00:00"}
+    pages = {"00_a": {"wall_s": 600.0, "runs_computed": 50, "runs_stored": 0, **when},
+             "01_b": {"wall_s": 60.0, "runs_computed": 0, "runs_stored": 166, **when,
+                      "from_scratch": {"wall_s": 6780.0, "cpu_s": 13000.0, "runs": 166, **when}},
+             "02_c": {"wall_s": 120.0, **when},
+             "03_d": {"wall_s": float("nan"), "commit": "abcdef123", "end": ""}}
     (tmp_path / "results" / "quick" / "manifest.json").write_text(json.dumps({"notebooks": pages}))
-    line = study.expected_times("quick", ["00_a", "01_b"])
-    assert "10 min wall for 1 notebook(s): 00 10 min (abcdef1, 2026-12-04)" in line and "never measured: 01" in line
+    line = study.expected_times("quick", ["00_a", "01_b", "03_d"])
+    assert "00 10 min computing its 50 runs (abcdef1, 2026-12-04)" in line
+    assert "01 1 min (abcdef1, 2026-12-04; 166 of 166 runs stored), from scratch 113 min (abcdef1, 2026-12-04)" in line
+    assert "never measured: 03" in line and "Runs stored here now: 0; from scratch the selected notebooks took 123 min" in line
+    line = study.expected_times("quick", ["02_c"])
+    assert "runs stored or not: not recorded), from scratch: not measured" in line and "took unknown" in line
+    (tmp_path / "data" / "runs").mkdir(parents=True)
+    (tmp_path / "data" / "runs" / "0123.nc").write_bytes(b"")
+    assert study.expected_times("quick", ["00_a"]).endswith("Runs stored here now: 1")
+
+
+def test_a_page_keeps_the_last_from_scratch_measurement_of_its_notebook():
+    from stabstudy.run.report import from_scratch
+
+    own = {"wall_s": 900.0, "cpu_s": 1700.0, "commit": "c2", "end": "e2", "runs_computed": 172, "runs_stored": 0}
+    assert from_scratch(own, None) == {"wall_s": 900.0, "cpu_s": 1700.0, "commit": "c2", "end": "e2", "runs": 172}
+    warm = own | {"wall_s": 60.0, "runs_computed": 0, "runs_stored": 172}
+    assert from_scratch(warm, {"from_scratch": from_scratch(own, None)})["wall_s"] == 900.0
+    assert from_scratch(warm, None) is None
+    assert from_scratch(own | {"runs_computed": 10, "runs_stored": 162}, None) is None  # partly stored: neither

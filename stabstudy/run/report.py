@@ -81,9 +81,10 @@ def _executed(profile: str) -> list[Path]:
     return nbs
 
 
-def _render(nb: Path, out: Path) -> tuple[float, str, float]:
-    """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns (wall seconds, end time,
-    CPU seconds as ``stabstudy study`` measured them, NaN where it did not)."""
+def _render(nb: Path, out: Path) -> dict:
+    """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns what its execution
+    measured: ``wall_s``, ``end`` (time), and as ``stabstudy study`` measured them (NaN or -1 where it
+    did not) ``cpu_s``, ``runs_computed`` and ``runs_stored``."""
     import nbformat
     from nbconvert import MarkdownExporter
 
@@ -104,9 +105,20 @@ def _render(nb: Path, out: Path) -> tuple[float, str, float]:
         target = out / name
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(data)
-    cpu = node.metadata.get("stabstudy", {}).get("cpu_s")
-    return float(pm.get("duration") or float("nan")), str(pm.get("end_time") or ""), \
-        float(cpu) if cpu is not None else float("nan")
+    meta = node.metadata.get("stabstudy", {})
+    cpu = meta.get("cpu_s")
+    return {"wall_s": float(pm.get("duration") or float("nan")), "end": str(pm.get("end_time") or ""),
+            "cpu_s": float(cpu) if cpu is not None else float("nan"),
+            "runs_computed": int(meta.get("runs_computed", -1)), "runs_stored": int(meta.get("runs_stored", -1))}
+
+
+def from_scratch(page: dict, previous: dict | None) -> dict | None:
+    """A page's from-scratch measurement: its own execution's (wall and CPU seconds, runs, commit,
+    end) where it computed every run it used, else the one the previous page of that notebook
+    carried (None where no execution of it ever computed all its runs)."""
+    if page.get("runs_computed", -1) > 0 and page.get("runs_stored", -1) == 0:
+        return {k: page[k] for k in ("wall_s", "cpu_s", "commit", "end")} | {"runs": page["runs_computed"]}
+    return (previous or {}).get("from_scratch")
 
 
 def _claims_rows(profile: str, stem: str) -> list[str]:
@@ -124,6 +136,11 @@ def _claims_rows(profile: str, stem: str) -> list[str]:
 def _cpu(page: dict) -> str:
     cpu = page.get("cpu_s", float("nan"))
     return f"{cpu:.0f} s" if cpu == cpu else "not measured"
+
+
+def _runs(page: dict) -> str:
+    n, stored = page.get("runs_computed", -1), page.get("runs_stored", -1)
+    return f"{n} / {stored}" if n >= 0 else "not recorded"
 
 
 def _kept(out: Path, executed: list[str]) -> dict[str, dict]:
@@ -151,6 +168,8 @@ def publish(profile: str = "quick") -> list[Path]:
     out = paths.results_dir(profile)
     stems = [nb.stem for nb in executed]
     kept = _kept(out, stems)
+    before = json.loads((out / "manifest.json").read_text()).get("notebooks", {}) \
+        if (out / "manifest.json").exists() else {}  # read before the old pages go
     if out.exists():  # only the kept pages, their images and figures survive
         for f in sorted(out.iterdir()):
             owner = f.name.removesuffix(".md").removesuffix("_files")
@@ -163,13 +182,13 @@ def publish(profile: str = "quick") -> list[Path]:
     sources = source_hashes()
     pages = dict(kept)
     for nb in executed:
-        wall, end, cpu = _render(nb, out)
+        measured = _render(nb, out)
         for png in sorted(paths.figures_dir(nb.stem).glob("*.png")):
             target = out / "figures" / nb.stem / png.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
-        pages[nb.stem] = {"commit": commit, "end": end, "wall_s": wall, "cpu_s": cpu, "claims": _claims_rows(profile, nb.stem),
-                          "sources": sources}
+        page = {"commit": commit, **measured, "claims": _claims_rows(profile, nb.stem), "sources": sources}
+        pages[nb.stem] = page | {"from_scratch": from_scratch(page, before.get(nb.stem))}
     pages = dict(sorted(pages.items()))
     commits = list(dict.fromkeys(e["commit"] for e in pages.values()))
     ends = [e["end"] for e in pages.values() if e["end"]]
@@ -190,6 +209,7 @@ def publish(profile: str = "quick") -> list[Path]:
         "- wall time per notebook: " + ", ".join(f"{s} {e['wall_s']:.0f} s" for s, e in pages.items()),
         "- CPU time per notebook (`stabstudy study`'s meter: the kernel and its workers): " +
         ", ".join(f"{s} {_cpu(e)}" for s, e in pages.items()),
+        "- runs each execution computed / found stored: " + ", ".join(f"{s} {_runs(e)}" for s, e in pages.items()),
         *([] if len(commits) == 1 else
           ["- commit and end per notebook: " + ", ".join(f"{s} `{e['commit'][:12]}` {e['end'] or 'unknown'}"
                                                          for s, e in pages.items())]),

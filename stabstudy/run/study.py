@@ -166,6 +166,7 @@ class TerminalProgress:
         self._grid: tuple[int, int] | None = None
         self._finished: set[tuple[int, int]] = set()
         self._noted: dict[int, int] = {}  # kernel pid -> notes already printed
+        self._counts: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, grid) -> (runs, found stored)
         self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"progress-{notebook}", daemon=True)
@@ -201,6 +202,7 @@ class TerminalProgress:
             tqdm.write(f"   {self.notebook}: " + text.replace("\n", "\n     "), file=sys.stderr)
         self._noted[state.pid] = len(state.notes)
         key = (state.pid, state.grid)
+        self._counts[key] = (state.total, state.cached)
         if key in self._finished:
             return  # the grid ended and its bar is closed; the next one has not started
         if self.bar is None or key != self._grid:
@@ -220,6 +222,12 @@ class TerminalProgress:
         if state.finished:
             self._finished.add(key)
             self._close()
+
+    @property
+    def runs(self) -> tuple[int, int]:
+        """(runs computed, runs found stored) over the grids seen so far: whether a notebook's time
+        was that of computing its runs or of reading them."""
+        return (sum(t - c for t, c in self._counts.values()), sum(c for _, c in self._counts.values()))
 
     def _close(self) -> None:
         if self.bar is not None:
@@ -288,8 +296,9 @@ def kernel_manager_class() -> type:
 
 def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     """A line saying how long ``stems`` took when their pages of ``results/<profile>/`` were made
-    (wall and CPU time, commit and date per page), or None when none is published. It is the
-    last measurement, not a forecast for this machine: a notebook whose runs are stored takes minutes."""
+    and, where a page was made with its runs stored, how long that notebook last took computing them
+    (the page's ``from_scratch``), beside the number of runs stored here now: with none stored, the
+    from-scratch times are the estimate. None when no page is published."""
     import json
     import math
 
@@ -298,12 +307,26 @@ def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     known = [(s, pages[s]) for s in stems if s in pages and math.isfinite(pages[s].get("wall_s", math.nan))]
     if not known:
         return None
-    total = sum(e["wall_s"] for _, e in known)
-    parts = ", ".join(f"{s[:2]} {e['wall_s'] / 60:.0f} min ({e['commit'][:7]}, {str(e.get('end', ''))[:10]})"
-                      for s, e in known)
+
+    def when(e: dict) -> str:
+        return f"{e['commit'][:7]}, {str(e.get('end', ''))[:10]}"
+
+    parts, scratch = [], 0.0
+    for s, e in known:
+        n, stored, fs = e.get("runs_computed", -1), e.get("runs_stored", -1), e.get("from_scratch")
+        if n > 0 and stored == 0:
+            parts.append(f"{s[:2]} {e['wall_s'] / 60:.0f} min computing its {n} runs ({when(e)})")
+        else:
+            runs = f"{stored} of {n + stored} runs stored" if n >= 0 else "runs stored or not: not recorded"
+            parts.append(f"{s[:2]} {e['wall_s'] / 60:.0f} min ({when(e)}; {runs})" +
+                         (f", from scratch {fs['wall_s'] / 60:.0f} min ({when(fs)})" if fs else ", from scratch: not measured"))
+        scratch += e["wall_s"] if n > 0 and stored == 0 else fs["wall_s"] if fs else math.nan
     missing = [s[:2] for s in stems if s not in dict(known)]
-    return (f"last measured (results/{profile}, from scratch unless its runs were stored): {total / 60:.0f} min wall "
-            f"for {len(known)} notebook(s): {parts}" + (f"; never measured: {', '.join(missing)}" if missing else ""))
+    here = len(list(paths.runs_dir().glob("*.nc"))) if paths.runs_dir().exists() else 0
+    total = f"{scratch / 60:.0f} min" if math.isfinite(scratch) else "unknown (not every notebook measured)"
+    return (f"last measured (results/{profile}): {'; '.join(parts)}" +
+            (f"; never measured: {', '.join(missing)}" if missing else "") +
+            f". Runs stored here now: {here}" + ("" if here else f"; from scratch the selected notebooks took {total}"))
 
 
 def run_study(profile: str = "quick", only: Sequence[str] | None = None, scheduler: str | None = None,
@@ -343,15 +366,15 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                 print(f"== {nb.stem} ({profile})", flush=True)
                 progress = Path(tmp) / f"{nb.stem}.json"
                 os.environ[PROGRESS_ENV] = str(progress)  # the kernel inherits it
-                cpu = CpuMeter()
+                cpu, bars = CpuMeter(), TerminalProgress(nb.stem, progress)
                 try:
-                    with TerminalProgress(nb.stem, progress), cpu:
+                    with bars, cpu:
                         pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
                                             parameters=parameters_for(nb, profile, scheduler, retry_failed),
                                             kernel_name="python3", progress_bar=True,
                                             kernel_manager_class=kernel_manager_class())
                 finally:  # a failed notebook's executed copy is read too
-                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds)
+                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs)
                 timings.append((nb.stem, time.perf_counter() - t0, cpu.seconds))
                 print(f"   {nb.stem}: {timings[-1][1]:.0f} s wall, {cpu.seconds:.0f} CPU-s", flush=True)
     finally:
@@ -363,9 +386,10 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     return timings
 
 
-def _tidy(executed: Path, cpu_s: float | None = None) -> None:
-    """Store ``executed`` with :func:`collapse_streams` applied (and its CPU seconds in the
-    metadata, ``stabstudy.cpu_s``, for the report) and repeat its warnings on the terminal."""
+def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | None = None) -> None:
+    """Store ``executed`` with :func:`collapse_streams` applied (and, for the report, its CPU seconds
+    and the runs it computed and found stored in the metadata: ``stabstudy.cpu_s``,
+    ``stabstudy.runs_computed``, ``stabstudy.runs_stored``) and repeat its warnings on the terminal."""
     import nbformat
 
     if not executed.exists():
@@ -373,6 +397,8 @@ def _tidy(executed: Path, cpu_s: float | None = None) -> None:
     node = collapse_streams(nbformat.read(executed, as_version=4))
     if cpu_s is not None:
         node.metadata.setdefault("stabstudy", {})["cpu_s"] = round(float(cpu_s), 1)
+    if runs is not None:
+        node.metadata.setdefault("stabstudy", {}).update(runs_computed=int(runs[0]), runs_stored=int(runs[1]))
     nbformat.write(node, executed)
     found = warnings_in(node)
     if found:
