@@ -167,7 +167,7 @@ class MetaDetector(Detector):
 
     A :class:`~stabstudy.interventions.control.Controller` feeds it on its ``meta`` signal with
     the Monitor's last complete row, before each step lands. Build it with
-    :func:`stabstudy.analysis.warning.metastate.calibrate_detector` (PCA and threshold from
+    :func:`stabstudy.analysis.warning.evaluation.calibrate_detector` (PCA and threshold from
     unperturbed runs, as notebook 04 calibrates the meta-state), or from a :class:`PCAModel`.
 
     Args:
@@ -202,4 +202,3 @@ class MetaDetector(Detector):
         score = float(getattr(self.state.update(row), self.statistic))
         self._seen += 1
         return score if self._seen > self.burn_in else float("nan")
-
