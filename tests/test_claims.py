@@ -33,6 +33,15 @@ def test_paired_difference(test):
     assert nan_pairs.verdict == "not tested"
 
 
+def test_a_signed_rank_test_of_too_few_pairs_says_it_cannot_decide():
+    up = C.paired_difference("x", SRC, [1.0, 2.0, 3.0], [0.0, 0.0, 0.0], direction="greater", test="wilcoxon")
+    assert up.verdict == "inconclusive" and "smallest attainable one-sided p is 0.125" in up.reason
+    five = C.paired_difference("x", SRC, [1.0, 2.0, 3.0, 4.0, 5.0], [0.0] * 5, direction="greater", test="wilcoxon")
+    assert five.verdict == "supported" and "cannot decide" not in five.reason
+    t3 = C.paired_difference("x", SRC, [1.0, 2.1, 3.0], [0.0, 0.0, 0.0], direction="greater", test="ttest")
+    assert "cannot decide" not in t3.reason  # a t-test of 3 pairs can reach any p
+
+
 def test_difference_unpaired():
     a, b = rng.normal(5, 1, 10), rng.normal(0, 1, 10)
     assert C.difference("a>b", SRC, a, b, direction="greater").verdict == "supported"

@@ -97,7 +97,7 @@ def test_publishing_one_notebook_keeps_the_other_pages_and_drops_removed_noteboo
     out = study / "results" / "quick"
     nb = nbformat.read(study / "build" / "quick" / "00_demo.ipynb", as_version=4)
     nb.metadata["papermill"] = {"duration": 3.0, "end_time": "2026-12-02T03:00:03"}
-    nb.metadata["stabstudy"] = {"cpu_s": 7.0}  # as stabstudy study's CPU meter leaves it
+    nb.metadata["stabstudy"] = {"cpu_s": 7.0, "commit": "abc123"}  # as stabstudy study leaves it
     for d in ("notebooks", "build/quick"):
         nbformat.write(nb, study / d / "01_other.ipynb")
     (study / "build" / "quick" / "00_demo.ipynb").unlink()  # a study run with --only 01
@@ -107,6 +107,7 @@ def test_publishing_one_notebook_keeps_the_other_pages_and_drops_removed_noteboo
     assert "| 00_demo | slope = log sigma |" in text and "| 01_other | slope = log sigma |" in text
     assert "00_demo 12 s, 01_other 3 s" in text and "2026-12-02T03:00:03" in text
     assert "00_demo not measured, 01_other 7 s" in text
+    assert "01_other `abc123`" in text  # the commit it was executed at, not the report's
     assert (out / "00_demo.md").exists() and (out / "figures" / "00_demo" / "main.png").exists()
     assert report.check("quick") == []
     (study / "notebooks" / "00_demo.ipynb").unlink()  # a removed notebook leaves no page behind

@@ -188,8 +188,11 @@ def _paired(claim: str, source: str, d_bytes: bytes, direction: Direction, alpha
     # np.mean and np.median take an axis: scipy resamples alike either way, and one call replaces 2,000
     ci = _boot_ci((d,), np.mean if test == "ttest" else np.median, 1 - alpha, seed, vectorized=True)
     verdict = _directional(p_for, p_against, alpha)
+    # an exact signed-rank test of n pairs cannot give p below 2**-n: say the design could not decide
+    floor = f"; with {d.size} pairs the smallest attainable one-sided p is {0.5 ** d.size:.3g}, not below alpha " \
+        f"{alpha:.3g}: this design cannot decide" if test == "wilcoxon" and 0.5 ** d.size >= alpha else ""
     return Claim(claim, source, verdict, f"{'mean' if test == 'ttest' else 'median'} paired difference "
-                 f"{effect:.3g}, one-sided p = {p_for:.3g}{_against(verdict, p_against)}", effect, ci, int(d.size),
+                 f"{effect:.3g}, one-sided p = {p_for:.3g}{_against(verdict, p_against)}{floor}", effect, ci, int(d.size),
                  name, _deciding_p(verdict, p_for, p_against), p_decides=verdict != "inconclusive")
 
 

@@ -84,7 +84,8 @@ def _executed(profile: str) -> list[Path]:
 def _render(nb: Path, out: Path) -> dict:
     """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns what its execution
     measured: ``wall_s``, ``end`` (time), and as ``stabstudy study`` measured them (NaN or -1 where it
-    did not) ``cpu_s``, ``runs_computed`` and ``runs_stored``."""
+    did not) ``cpu_s``, ``runs_computed``, ``runs_stored`` and ``commit`` (absent where it did not:
+    the report's own commit stands in)."""
     import nbformat
     from nbconvert import MarkdownExporter
 
@@ -108,6 +109,7 @@ def _render(nb: Path, out: Path) -> dict:
     meta = node.metadata.get("stabstudy", {})
     cpu = meta.get("cpu_s")
     return {"wall_s": float(pm.get("duration") or float("nan")), "end": str(pm.get("end_time") or ""),
+            **({"commit": str(meta["commit"])} if meta.get("commit") else {}),
             "cpu_s": float(cpu) if cpu is not None else float("nan"),
             "runs_computed": int(meta.get("runs_computed", -1)), "runs_stored": int(meta.get("runs_stored", -1))}
 
@@ -187,6 +189,7 @@ def publish(profile: str = "quick") -> list[Path]:
             target = out / "figures" / nb.stem / png.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
+        # the execution's own commit (in measured) wins over the report's
         page = {"commit": commit, **measured, "claims": _claims_rows(profile, nb.stem), "sources": sources}
         pages[nb.stem] = page | {"from_scratch": from_scratch(page, before.get(nb.stem))}
     pages = dict(sorted(pages.items()))

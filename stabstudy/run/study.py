@@ -345,6 +345,7 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     import papermill as pm
 
     from stabstudy.run.runner import PROGRESS_ENV, check_scheduler
+    from stabstudy.run.store import git_commit
 
     load_profile(profile)  # validate first: nothing is written for a bad profile
     selected = select(only)
@@ -353,6 +354,7 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
         check_scheduler(address)
     out_dir = out_dir or paths.build_dir() / profile
     out_dir.mkdir(parents=True, exist_ok=True)
+    commit = git_commit()  # the report may run at a later commit: the page names this one
     timings = []
     eta = expected_times(profile, [nb.stem for nb in selected])
     if eta:
@@ -374,7 +376,7 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                                             kernel_name="python3", progress_bar=True,
                                             kernel_manager_class=kernel_manager_class())
                 finally:  # a failed notebook's executed copy is read too
-                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs)
+                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs, commit=commit)
                 timings.append((nb.stem, time.perf_counter() - t0, cpu.seconds))
                 print(f"   {nb.stem}: {timings[-1][1]:.0f} s wall, {cpu.seconds:.0f} CPU-s", flush=True)
     finally:
@@ -386,10 +388,12 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     return timings
 
 
-def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | None = None) -> None:
-    """Store ``executed`` with :func:`collapse_streams` applied (and, for the report, its CPU seconds
-    and the runs it computed and found stored in the metadata: ``stabstudy.cpu_s``,
-    ``stabstudy.runs_computed``, ``stabstudy.runs_stored``) and repeat its warnings on the terminal."""
+def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | None = None,
+          commit: str | None = None) -> None:
+    """Store ``executed`` with :func:`collapse_streams` applied (and, for the report, its CPU seconds,
+    the runs it computed and found stored and the commit it ran at in the metadata:
+    ``stabstudy.cpu_s``, ``stabstudy.runs_computed``, ``stabstudy.runs_stored``, ``stabstudy.commit``)
+    and repeat its warnings on the terminal."""
     import nbformat
 
     if not executed.exists():
@@ -399,6 +403,8 @@ def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | No
         node.metadata.setdefault("stabstudy", {})["cpu_s"] = round(float(cpu_s), 1)
     if runs is not None:
         node.metadata.setdefault("stabstudy", {}).update(runs_computed=int(runs[0]), runs_stored=int(runs[1]))
+    if commit is not None:
+        node.metadata.setdefault("stabstudy", {})["commit"] = commit
     nbformat.write(node, executed)
     found = warnings_in(node)
     if found:
