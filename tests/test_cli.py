@@ -294,6 +294,26 @@ def test_the_study_says_how_long_its_notebooks_took_last_time(tmp_path, monkeypa
     assert study.expected_times("quick", ["00_a"]).endswith("Runs stored here now: 1")
 
 
+def test_a_time_measured_on_another_design_is_flagged(tmp_path, monkeypatch):
+    """A page made before its notebook or the profile changed does not pass its time off as the new design's."""
+    import hashlib
+    import json
+
+    monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
+    nb = tmp_path / "notebooks" / "01_b.ipynb"
+    nb.parent.mkdir()
+    nb.write_text("design 1")
+    page = {"wall_s": 6780.0, "runs_computed": 166, "runs_stored": 0, "commit": "abcdef123", "end": "2026-12-04",
+            "sources": {"notebooks/01_b.ipynb": hashlib.sha256(b"design 1").hexdigest()}}
+    (tmp_path / "results" / "quick").mkdir(parents=True)
+    (tmp_path / "results" / "quick" / "manifest.json").write_text(json.dumps({"notebooks": {"01_b": page}}))
+    assert "changed since" not in study.expected_times("quick", ["01_b"])
+    nb.write_text("design 2: more prefixes")
+    line = study.expected_times("quick", ["01_b"])
+    assert "01 113 min computing its 166 runs (abcdef1, 2026-12-04) [its notebook has changed since: this time may not hold]" in line
+
+
 def test_a_page_keeps_the_last_from_scratch_measurement_of_its_notebook():
     from stabstudy.run.report import from_scratch
 

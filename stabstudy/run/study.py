@@ -298,7 +298,8 @@ def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     """A line saying how long ``stems`` took when their pages of ``results/<profile>/`` were made
     and, where a page was made with its runs stored, how long that notebook last took computing them
     (the page's ``from_scratch``), beside the number of runs stored here now: with none stored, the
-    from-scratch times are the estimate. None when no page is published."""
+    from-scratch times are the estimate. A page whose notebook has changed since it was made is
+    flagged: its time may have been measured on another design. None when no page is published."""
     import json
     import math
 
@@ -311,15 +312,27 @@ def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     def when(e: dict) -> str:
         return f"{e['commit'][:7]}, {str(e.get('end', ''))[:10]}"
 
+    def redesigned(stem: str, e: dict) -> str:
+        # A page's time says nothing about a design made after it. The notebook's own file, not the
+        # profile's: the profile is one file for every notebook (and mostly comments).
+        import hashlib
+
+        f = paths.root() / "notebooks" / f"{stem}.ipynb"
+        then = e.get("sources", {}).get(f"notebooks/{stem}.ipynb")
+        if then is None or not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() == then:
+            return ""
+        return " [its notebook has changed since: this time may not hold]"
+
     parts, scratch = [], 0.0
     for s, e in known:
         n, stored, fs = e.get("runs_computed", -1), e.get("runs_stored", -1), e.get("from_scratch")
         if n > 0 and stored == 0:
-            parts.append(f"{s[:2]} {e['wall_s'] / 60:.0f} min computing its {n} runs ({when(e)})")
+            parts.append(f"{s[:2]} {e['wall_s'] / 60:.0f} min computing its {n} runs ({when(e)})" + redesigned(s, e))
         else:
             runs = f"{stored} of {n + stored} runs stored" if n >= 0 else "runs stored or not: not recorded"
             parts.append(f"{s[:2]} {e['wall_s'] / 60:.0f} min ({when(e)}; {runs})" +
-                         (f", from scratch {fs['wall_s'] / 60:.0f} min ({when(fs)})" if fs else ", from scratch: not measured"))
+                         (f", from scratch {fs['wall_s'] / 60:.0f} min ({when(fs)})" if fs else ", from scratch: not measured")
+                         + redesigned(s, e))
         scratch += e["wall_s"] if n > 0 and stored == 0 else fs["wall_s"] if fs else math.nan
     missing = [s[:2] for s in stems if s not in dict(known)]
     here = len(list(paths.runs_dir().glob("*.nc"))) if paths.runs_dir().exists() else 0
