@@ -6,12 +6,21 @@ schedule (two kinds at one step too, so that the order of their random draws cou
 compare the sha256 of every recorded array, and the spec hash, with the values recorded
 before the refactoring. One torch thread: the thread count changes float rounding in torch's
 CPU kernels (measured: the toy Adam and LM digests differ between one and two threads).
+
+The processor changes the last bits too (measured 2026-12-06: all six digests recorded on an AMD
+EPYC differ on an Intel Xeon with AVX-512, same wheels, and no ``ATEN_CPU_CAPABILITY``,
+``MKL_CBWR`` or ``ONEDNN_MAX_CPU_ISA`` setting brings them back), so the digests are kept per
+processor (vendor and torch's CPU capability). The spec hashes hold on every machine. On a
+processor with no digests the digest check is skipped, naming the ones recorded; record them
+with ``python tests/test_perturb_pins.py`` at a commit where the pins pass elsewhere.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import platform
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -48,22 +57,59 @@ SPECS = {
                        perturbations=(P("lr_spike", 2, 3, 4.0), P("weight_noise", 5, 1, 0.5))),
 }
 
-#: name -> (spec hash, digest of every array), recorded before the perturbation skeleton was shared.
-PINS = {
-    "toy_adam": ("47d65d7ad31006f9", "f14346dbe2017ebb"),
-    "toy_sgd": ("9c247ba7c2fd9c14", "c9bebe465a1b5f43"),
-    "lm": ("46e5527b87ab6eb2", "d9840cdadd476736"),
-    "lm_clip": ("6d14b4152b5a483f", "b6e206722cd824eb"),
-    "seq_lstm": ("35dd484c09aba209", "5cfe7724f7156472"),
-    "seq_rnn": ("b2a84ac9518718e2", "ad5ef82c2f0296c6"),
+#: name -> spec hash, the same on every machine.
+SPEC_HASHES = {
+    "toy_adam": "47d65d7ad31006f9",
+    "toy_sgd": "9c247ba7c2fd9c14",
+    "lm": "46e5527b87ab6eb2",
+    "lm_clip": "6d14b4152b5a483f",
+    "seq_lstm": "35dd484c09aba209",
+    "seq_rnn": "b2a84ac9518718e2",
 }
 
-#: Arrays added after the pins above were recorded: name -> (their names, digest of them). The pins stay those
-#: of the arrays recorded before, so that an added channel cannot hide a change to an old one.
-ADDED = {
-    "toy_adam": (("out_logit_max", "last_weight_norm"), "238278b46abc39a0"),
-    "toy_sgd": (("out_logit_max", "last_weight_norm"), "0fbfde5ab5651cde"),
+#: processor (:func:`processor`) -> name -> digest of every array. The AMD EPYC's were recorded before
+#: the perturbation skeleton was shared (2026-12-01; its capability, AVX2, was not recorded then and is
+#: assumed: a wrong guess makes that machine skip, not pass). The Intel Xeon's on 2026-12-06 at edb4e1e,
+#: whose learners are those with which the EPYC's pins last passed in CI.
+PINS = {
+    "AuthenticAMD/AVX2": {
+        "toy_adam": "f14346dbe2017ebb",
+        "toy_sgd": "c9bebe465a1b5f43",
+        "lm": "d9840cdadd476736",
+        "lm_clip": "b6e206722cd824eb",
+        "seq_lstm": "5cfe7724f7156472",
+        "seq_rnn": "ad5ef82c2f0296c6",
+    },
+    "GenuineIntel/AVX512": {
+        "toy_adam": "9362252126d0e113",
+        "toy_sgd": "6f5229ca8535eac8",
+        "lm": "41ad1bd52d0c1e84",
+        "lm_clip": "ce97303f692c56ea",
+        "seq_lstm": "9c83d40eb28b37c6",
+        "seq_rnn": "4d425423bc3e09eb",
+    },
 }
+
+#: Arrays added after the pins above were recorded: name -> their names, and per processor their digest.
+#: The pins stay those of the arrays recorded before, so that an added channel cannot hide a change to an old one.
+ADDED = {"toy_adam": ("out_logit_max", "last_weight_norm"), "toy_sgd": ("out_logit_max", "last_weight_norm")}
+ADDED_PINS = {
+    "AuthenticAMD/AVX2": {"toy_adam": "238278b46abc39a0", "toy_sgd": "0fbfde5ab5651cde"},
+    "GenuineIntel/AVX512": {"toy_adam": "1710741963df9c81", "toy_sgd": "37c4c7b39ee635ca"},
+}
+
+
+def processor() -> str:
+    """``vendor/capability``: the CPU vendor (``/proc/cpuinfo``) and the kernels torch dispatches to."""
+    vendor = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                vendor = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{vendor}/{torch.backends.cpu.get_cpu_capability()}"
 
 
 def digest(ds) -> str:
@@ -81,15 +127,22 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+def test_spec_hashes_are_pinned():
+    assert {name: spec.spec_hash for name, spec in SPECS.items()} == SPEC_HASHES
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_runs_with_every_kind_are_bit_identical_to_their_pins(name, one_thread):
+    here = processor()
+    if here not in PINS:
+        pytest.skip(f"no digests recorded on this processor ({here}); recorded: {', '.join(PINS)}")
     spec = SPECS[name]
     ds = learner_for(spec.domain)(spec)
     assert ds.attrs["status"] == "ok" and ds.sizes["step"] == spec.steps
-    added = list(ADDED.get(name, ((), ""))[0])
-    assert (spec.spec_hash, digest(ds.drop_vars(added))) == PINS[name]
+    added = list(ADDED.get(name, ()))
+    assert digest(ds.drop_vars(added)) == PINS[here][name]
     if added:
-        assert digest(ds[added]) == ADDED[name][1]
+        assert digest(ds[added]) == ADDED_PINS[here][name]
 
 
 def test_the_digest_sees_one_flipped_bit(one_thread):
@@ -98,3 +151,12 @@ def test_the_digest_sees_one_flipped_bit(one_thread):
     v = ds["loss"].values.copy()
     v[-1] = np.nextafter(v[-1], np.inf)
     assert digest(ds.assign(loss=("step", v))) != digest(ds)
+
+
+if __name__ == "__main__":  # print this processor's digests, to add them to PINS and ADDED_PINS
+    torch.set_num_threads(1)
+    print(processor())
+    for name, spec in SPECS.items():
+        ds = learner_for(spec.domain)(spec)
+        added = list(ADDED.get(name, ()))
+        print(name, digest(ds.drop_vars(added)), digest(ds[added]) if added else "")
