@@ -20,13 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from stabstudy.registry import learner_for
+from stabstudy.run.report import cpuinfo
 from stabstudy.spec import Perturbation as P
 from stabstudy.spec import RunSpec
 
@@ -100,15 +100,8 @@ ADDED_PINS = {
 
 
 def processor() -> str:
-    """``vendor/capability``: the CPU vendor (``/proc/cpuinfo``) and the kernels torch dispatches to."""
-    vendor = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                vendor = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    """``vendor/capability``: the CPU vendor and the kernels torch dispatches to."""
+    vendor = cpuinfo("vendor_id") or platform.processor() or platform.machine()
     return f"{vendor}/{torch.backends.cpu.get_cpu_capability()}"
 
 

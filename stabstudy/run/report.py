@@ -56,15 +56,19 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpuinfo(field: str) -> str | None:
+    """The first ``field`` of ``/proc/cpuinfo`` (``model name``, ``vendor_id``), None where there is none."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            if line.split(":", 1)[0].strip() == field:
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+def _machine() -> str:
+    cpu = cpuinfo("model name") or platform.processor() or platform.machine()
     import os
 
     import torch
