@@ -295,7 +295,7 @@ def test_the_study_says_how_long_its_notebooks_took_last_time(tmp_path, monkeypa
 
 
 def test_a_time_measured_on_another_design_is_flagged(tmp_path, monkeypatch):
-    """A page made before its notebook or the profile changed does not pass its time off as the new design's."""
+    """A page made before its notebook changed does not pass its time off as the new design's."""
     import hashlib
     import json
 
