@@ -312,16 +312,17 @@ def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     def when(e: dict) -> str:
         return f"{e['commit'][:7]}, {str(e.get('end', ''))[:10]}"
 
+    from stabstudy.run.report import source_hashes
+
+    now = source_hashes()
+
     def redesigned(stem: str, e: dict) -> str:
         # A page's time says nothing about a design made after it. The notebook's own file, not the
         # profile's: the profile is one file for every notebook (and mostly comments).
-        import hashlib
-
-        f = paths.root() / "notebooks" / f"{stem}.ipynb"
-        then = e.get("sources", {}).get(f"notebooks/{stem}.ipynb")
-        if then is None or not f.exists() or hashlib.sha256(f.read_bytes()).hexdigest() == then:
-            return ""
-        return " [its notebook has changed since: this time may not hold]"
+        f = f"notebooks/{stem}.ipynb"
+        then = e.get("sources", {}).get(f)
+        changed = then is not None and f in now and now[f] != then
+        return " [its notebook has changed since: this time may not hold]" if changed else ""
 
     parts, scratch = [], 0.0
     for s, e in known:
