@@ -187,6 +187,7 @@ def test_the_meta_state_warns_before_a_drop_it_can_see(warned):
     assert not [c for c in v.index if "spontaneous" in c]  # the RL family asks about its own event families
     s = W.summary({"sac": warned}).loc["sac"]
     assert s["shock events"] == "9/18" and s["collapsed"] == 18 and s["prefixes cal/eval"] == "3/6"
+    assert s["rows/eval"] == EVAL / EVERY  # evaluations fall between telemetry rows
     sens, spec = W.tables({"sac": warned, "td3": W.RLWarning("td3", *(pd.DataFrame(),) * 3, None, "why")})
     assert set(sens.learner) == {"sac"} and set(sens.events) == {"all", *W.FAMILIES}
     assert (sens[sens.events == "shock"].detected.str.endswith("/6")).all() and (sens.null == 6).all()

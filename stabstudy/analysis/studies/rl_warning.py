@@ -174,10 +174,15 @@ class RLWarning:
     params: dict = field(default_factory=dict)
 
 
-def _eval_rows(rows: xr.Dataset) -> float:
-    gaps = []
-    for i in range(rows.sizes["run"]):
-        at = np.flatnonzero(np.isfinite(rows["perf"].isel(run=i).values))
+def _eval_rows(ds: xr.Dataset, rows: xr.Dataset) -> float:
+    """Median rows between two evaluations of ``ds``'s forks: evaluations are not telemetry rows, so
+    each evaluation's env step is placed on the first row at or after it."""
+    perf = ds["perf"].transpose("run", "step").values
+    env = np.asarray(ds["env_step"].broadcast_like(ds["perf"]).transpose("run", "step").values, dtype=float)
+    row_env = rows["env_step"].transpose("run", "step").values
+    gaps: list[float] = []
+    for i in range(perf.shape[0]):
+        at = [_first_at_or_after(row_env[i], t) for t in env[i][np.isfinite(perf[i])]]
         gaps += list(np.diff(at))
     return float(np.median(gaps)) if gaps else np.nan
 
@@ -224,7 +229,7 @@ def analyse(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, 
     info["end"] = [int(np.flatnonzero(r)[-1] + 1) if r.any() else 0 for r in ends]
     runs = info.join(labels.outcome)
     base = dict(learner=a, paired=pair, runs=runs, left_out=left_out, horizon=float(H.get(a, np.nan)),
-                rows=int(rows.sizes["step"]), eval_rows=_eval_rows(rows),
+                rows=int(rows.sizes["step"]), eval_rows=_eval_rows(fork_ds, rows),
                 params={"burn_in": burn_in, "horizon": warn_horizon, "late": late, "collapse_frac": collapse_frac})
     why = _why_not(info, left_out, burn_in)
     if why:
