@@ -60,6 +60,18 @@ def test_streaming_robust_z_equals_the_batch_rolling_version_and_the_reference_b
         assert np.isfinite(stream).sum() > x.size // 2  # not a comparison of NaNs
 
 
+def test_the_selected_mad_is_the_median_of_the_sorted_deviations_exactly():
+    from stabstudy.online.robust import _mad, _median
+
+    rng = np.random.default_rng(0)
+    for trial in range(2000):  # odd and even counts, ties (integers), wide magnitudes
+        n = int(rng.integers(1, 70))
+        v = rng.integers(0, 6, n).astype(float) if trial % 2 else rng.standard_normal(n) * 10 ** rng.uniform(-5, 5)
+        s = sorted(v.tolist())
+        med = _median(s)
+        assert _mad(s, med) == _median(sorted(abs(u - med) for u in s))
+
+
 def test_robust_z_scores_nan_for_missing_values_and_until_min_periods_finite_values():
     det = RobustZ(window=8, min_periods=3, side="up")
     scores = [det.update(v) for v in [1.0, np.nan, 2.0, np.inf, 3.0, 4.0, np.nan, 10.0]]

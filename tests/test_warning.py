@@ -239,6 +239,24 @@ def test_kendall_tau_is_scipys_tau_b():
     assert math.isnan(D.kendall_tau(np.ones(5)))
 
 
+def test_sliding_tau_equals_kendall_tau_of_its_window_exactly():
+    from stabstudy.online.detectors import _TauWindow
+
+    rng = np.random.default_rng(3)
+    y = rng.integers(0, 6, 400).astype(float)  # many ties
+    y[rng.random(400) < 0.03] = np.nan  # missing values enter and leave the window
+    y[[50, 51]] = np.inf
+    y[200:260] = 2.0  # a constant stretch: every pair tied
+    w, seen = _TauWindow(span=25), 0
+    for v in y:
+        w.push(v)
+        ref = D.kendall_tau(np.fromiter(w.values, dtype=float))
+        got = w.tau()
+        assert (math.isnan(got) and math.isnan(ref)) or got == ref
+        seen += math.isfinite(got)
+    assert seen > 100
+
+
 # -- calibration and evaluation -------------------------------------------------------------------
 
 

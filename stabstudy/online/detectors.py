@@ -151,6 +151,54 @@ def ews_indicator(x: np.ndarray, indicator: str) -> float:
     raise ValueError(f"unknown indicator {indicator!r}; valid: variance, ac1")
 
 
+class _TauWindow:
+    """The last ``span`` values and the sums of :func:`kendall_tau` over them, kept as values come
+    and go: a value costs O(span), not the O(span^2) of recounting every pair. The sums are
+    integers (pair signs and ties, over pairs of finite values), so :meth:`tau` equals
+    :func:`kendall_tau` of the window exactly; a non-finite value in the window makes it NaN."""
+
+    def __init__(self, span: int):
+        self.values: deque[float] = deque(maxlen=span)
+        self.span, self._sign, self._ties, self._missing = span, 0, 0, 0
+
+    def _pairs(self, x: float, later: bool) -> tuple[int, int]:
+        """Signed count and ties of ``x`` against the finite values in the window (``later``: ``x``
+        comes after them)."""
+        up = down = ties = 0
+        for v in self.values:
+            if not math.isfinite(v):
+                continue
+            if v == x:
+                ties += 1
+            elif (x > v) == later:
+                up += 1
+            else:
+                down += 1
+        return up - down, ties
+
+    def push(self, x: float) -> None:
+        if len(self.values) == self.span:
+            old = self.values.popleft()
+            if math.isfinite(old):
+                s, t = self._pairs(old, later=False)
+                self._sign, self._ties = self._sign - s, self._ties - t
+            else:
+                self._missing -= 1
+        if math.isfinite(x):
+            s, t = self._pairs(x, later=True)
+            self._sign, self._ties = self._sign + s, self._ties + t
+        else:
+            self._missing += 1
+        self.values.append(x)
+
+    def tau(self) -> float:
+        n = len(self.values)
+        n0 = n * (n - 1) // 2
+        if n < 3 or self._missing or self._ties == n0:
+            return NAN
+        return float(self._sign / math.sqrt(n0 * (n0 - self._ties)))
+
+
 class KendallEWS(Detector):
     """Critical-slowing-down trend: Kendall's tau of an indicator over the last ``span`` steps.
 
@@ -168,7 +216,7 @@ class KendallEWS(Detector):
         self.detrend, self.window, self.span = detrend, window, span
         self._x: deque[float] = deque(maxlen=detrend)
         self._r: deque[float] = deque(maxlen=window)
-        self._ind: deque[float] = deque(maxlen=span)
+        self._ind = _TauWindow(span)
 
     def update(self, value: float) -> float:
         x = float(value)
@@ -182,10 +230,8 @@ class KendallEWS(Detector):
             w = np.fromiter(self._r, dtype=float)
             if np.isfinite(w).all():
                 ind = ews_indicator(w, self.indicator)
-        self._ind.append(ind)
-        if len(self._ind) < self.span:
-            return NAN
-        return kendall_tau(np.fromiter(self._ind, dtype=float))
+        self._ind.push(ind)
+        return self._ind.tau() if len(self._ind.values) == self.span else NAN
 
 
 class NonFinite(Detector):

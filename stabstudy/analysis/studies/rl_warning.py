@@ -69,13 +69,15 @@ def telemetry_rows(ds: xr.Dataset, channel: str = ROW_CHANNEL) -> np.ndarray:
     return ds["step"].values[np.isfinite(x).any(axis=0)]
 
 
-def _first_at_or_after(env: np.ndarray, t: float) -> int:
-    """Row of the first finite env step at or after ``t`` (the row after the last when none)."""
+def _first_at_or_after(env: np.ndarray, t: float | np.ndarray) -> int | np.ndarray:
+    """Row of the first finite env step at or after ``t`` (the row after the last when none); for an
+    array ``t``, the row of each."""
     ok = np.flatnonzero(np.isfinite(env))
     if not ok.size:
-        return 0
-    i = int(np.searchsorted(env[ok], t, side="left"))
-    return int(ok[i]) if i < ok.size else int(ok[-1]) + 1
+        return 0 if np.ndim(t) == 0 else np.zeros(np.shape(t), dtype=int)
+    i = np.searchsorted(env[ok], t, side="left")
+    rows = np.where(i < ok.size, ok[np.minimum(i, ok.size - 1)], ok[-1] + 1)
+    return int(rows) if np.ndim(t) == 0 else rows
 
 
 def on_rows(ds: xr.Dataset, channel: str = ROW_CHANNEL) -> xr.Dataset:
@@ -182,8 +184,7 @@ def _eval_rows(ds: xr.Dataset, rows: xr.Dataset) -> float:
     row_env = rows["env_step"].transpose("run", "step").values
     gaps: list[float] = []
     for i in range(perf.shape[0]):
-        at = [_first_at_or_after(row_env[i], t) for t in env[i][np.isfinite(perf[i])]]
-        gaps += list(np.diff(at))
+        gaps += np.diff(_first_at_or_after(row_env[i], env[i][np.isfinite(perf[i])])).tolist()
     return float(np.median(gaps)) if gaps else np.nan
 
 
