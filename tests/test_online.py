@@ -3,6 +3,7 @@ import that needs numpy only."""
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -70,6 +71,35 @@ def test_the_selected_mad_is_the_median_of_the_sorted_deviations_exactly():
         s = sorted(v.tolist())
         med = _median(s)
         assert _mad(s, med) == _median(sorted(abs(u - med) for u in s))
+
+
+def _replayed() -> list[online.Detector]:
+    """Every detector of notebook 04's suite and odd sizes and sides of the ones with an array form."""
+    from stabstudy.analysis.warning import evaluation as E
+
+    specs = E.suite(("lr_ramp", "lr_spike", "outlier_batch"), ["grad_norm", "xgrad"], lambda_max=True)
+    return [s.make() for s in specs if not s.feature.startswith("meta:")] + [
+        online.WindowZ(window=8, min_periods=2, side="both"), online.KendallEWS("v", "variance", 3, 4, 5),
+        online.KendallEWS("a", "ac1", 5, 6, 3), online.Level("l", side="down", hold=False), online.NonFinite(),
+        RobustZ(window=5, min_periods=5, ewma=0.3, side="down", clip=2.0, window_of="steps")]
+
+
+@pytest.mark.parametrize("n", [800, 12])
+def test_replay_equals_feeding_update_value_by_value_bit_for_bit(n):
+    pytest.importorskip("river")
+    rng = np.random.default_rng(1)
+    series = [_series(seed=1)[:n], np.round(rng.standard_normal(n), 1)]  # gaps, infinities, ties
+    for x in series:
+        for det in _replayed():
+            stream = copy.deepcopy(det)
+            np.testing.assert_array_equal(det.replay(x), [stream.update(v) for v in x], err_msg=det.name)
+    x = _series(seed=2)
+    seen = RobustZ(window=16, min_periods=4)
+    for v in x[:50]:
+        seen.update(v)
+    before, state = copy.deepcopy(seen), list(seen._order)  # it replays from its state and keeps it
+    np.testing.assert_array_equal(seen.replay(x[50:]), [before.update(v) for v in x[50:]])
+    np.testing.assert_array_equal(list(seen._order), state)
 
 
 def test_robust_z_scores_nan_for_missing_values_and_until_min_periods_finite_values():

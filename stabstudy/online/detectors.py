@@ -68,6 +68,26 @@ class WindowZ(Detector):
         self._past.push(x)
         return score
 
+    def replay(self, values: np.ndarray) -> np.ndarray:
+        if self._past.values:
+            return super().replay(values)
+        x = np.asarray(values, dtype=float)
+        finite = np.isfinite(x)
+        f = x[finite]
+        before = np.cumsum(finite) - finite  # finite values before each step: its window's count
+        # mean and sd of the window of k past values, k = 0 .. f.size (row by row: numpy's own
+        # reductions, as update computes them on each window)
+        mean, sd = np.full(f.size + 1, np.nan), np.full(f.size + 1, np.nan)
+        for k in range(self.min_periods, min(self.window, f.size + 1)):
+            mean[k], sd[k] = f[:k].mean(), f[:k].std(ddof=1)
+        if f.size >= self.window:
+            w = np.lib.stride_tricks.sliding_window_view(f, self.window)
+            mean[self.window:], sd[self.window:] = w.mean(axis=-1), w.std(ddof=1, axis=-1)
+        m, s = mean[before], sd[before]
+        ok = finite & (before >= self.min_periods) & (s > 0)
+        with np.errstate(all="ignore"):
+            return np.where(ok, sided((x - m) / s, self.side), NAN)
+
 
 class ZClipZ(Detector):
     """ZClip's z-score of the gradient norm (zscore mode, adaptive scaling; package defaults).
@@ -232,6 +252,56 @@ class KendallEWS(Detector):
                 ind = ews_indicator(w, self.indicator)
         self._ind.push(ind)
         return self._ind.tau() if len(self._ind.values) == self.span else NAN
+
+    def replay(self, values: np.ndarray) -> np.ndarray:
+        if self._x:
+            return super().replay(values)
+        from stabstudy.online.robust import trailing_windows
+
+        x = np.asarray(values, dtype=float)
+        past = trailing_windows(x, self.detrend)  # row t: the detrend values before t, NaN-padded
+        ok = np.isfinite(x) & np.isfinite(past).all(axis=-1)
+        with np.errstate(all="ignore"):
+            r = np.where(ok, x - past.mean(axis=-1), NAN)
+        ind = np.full(x.size, NAN)
+        if x.size >= self.window:
+            w = np.lib.stride_tricks.sliding_window_view(r, self.window)  # row j: r[j .. j + window - 1]
+            ind[self.window - 1:] = np.where(np.isfinite(w).all(axis=-1), _indicators(w, self.indicator), NAN)
+        out = np.full(x.size, NAN)
+        if x.size >= self.span:
+            y = np.lib.stride_tricks.sliding_window_view(ind, self.span)
+            out[self.span - 1:] = _taus(y)
+        return out
+
+
+def _indicators(w: np.ndarray, indicator: str) -> np.ndarray:
+    """:func:`ews_indicator` of every row of ``w`` (shape (row, window)), by the same operations."""
+    with np.errstate(all="ignore"):
+        if indicator == "variance":
+            return np.var(w, ddof=1, axis=-1)
+        a, b = w[:, :-1], w[:, 1:]
+        da, db = a - a.mean(axis=-1, keepdims=True), b - b.mean(axis=-1, keepdims=True)
+        den = np.sqrt(np.sum(da * da, axis=-1) * np.sum(db * db, axis=-1))
+        return np.where(den > 0, np.sum(da * db, axis=-1) / den, NAN)
+
+
+def _taus(y: np.ndarray, chunk: int = 2048) -> np.ndarray:
+    """:func:`kendall_tau` of every row of ``y`` (shape (row, span)), in chunks of rows (each holds
+    every pair of its rows)."""
+    n = y.shape[1]
+    n0 = n * (n - 1) // 2
+    if n < 3:
+        return np.full(y.shape[0], NAN)
+    i, j = np.triu_indices(n, 1)
+    out = np.empty(y.shape[0])
+    for lo in range(0, y.shape[0], chunk):
+        c = y[lo:lo + chunk]
+        with np.errstate(all="ignore"):
+            d = c[:, j] - c[:, i]
+            ties = np.count_nonzero(d == 0, axis=-1)
+            tau = np.sign(d).sum(axis=-1) / np.sqrt((n0 * (n0 - ties)).astype(float))
+        out[lo:lo + chunk] = np.where(np.isfinite(c).all(axis=-1) & (ties < n0), tau, NAN)
+    return out
 
 
 class NonFinite(Detector):

@@ -7,13 +7,34 @@ needs numpy only. :class:`PageHinkley` reads river's private ``_sum_increase``, 
 
 from __future__ import annotations
 
+import copy
 import math
+
+import numpy as np
 
 from stabstudy.online.base import NAN, Detector
 from stabstudy.online.robust import RobustZ
 
 
-class ADWINGrid(Detector):
+class _OnRobustZ(Detector):
+    """A river detector fed the robust z of each value: ``_score(z)`` after ``_z.z(value)``."""
+
+    _z: RobustZ
+
+    def _score(self, z: float) -> float:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def update(self, value: float) -> float:
+        return self._score(self._z.z(value))
+
+    def replay(self, values: np.ndarray) -> np.ndarray:
+        if not self._z.fresh():
+            return super().replay(values)
+        d, z = copy.deepcopy(self), self._z.zs(values)  # the z-scores at once; river's updates stay a loop
+        return np.array([d._score(float(v)) for v in z], dtype=float)
+
+
+class ADWINGrid(_OnRobustZ):
     """river's ADWIN on robust z-scores, run at several confidences ``deltas`` at once.
 
     ADWIN answers only drift / no drift; the score is ``-log10`` of the largest ``delta``
@@ -29,8 +50,7 @@ class ADWINGrid(Detector):
         self._z = RobustZ(window=window, min_periods=min_periods, clip=10.0)  # one wild value must not own the mean
         self._adwins = [drift.ADWIN(delta=d, clock=1) for d in self.deltas]
 
-    def update(self, value: float) -> float:
-        z = self._z.z(value)
+    def _score(self, z: float) -> float:
         if math.isnan(z):
             return NAN
         score = 0.0
@@ -41,7 +61,7 @@ class ADWINGrid(Detector):
         return score
 
 
-class PageHinkley(Detector):
+class PageHinkley(_OnRobustZ):
     """river's Page-Hinkley test for an increase of the mean of robust z-scores.
 
     river exposes only a drift flag; the score is its cumulative statistic
@@ -60,8 +80,7 @@ class PageHinkley(Detector):
         self._ph = drift.PageHinkley(min_instances=min_instances, delta=delta, threshold=math.inf, alpha=alpha,
                                      mode="up")
 
-    def update(self, value: float) -> float:
-        z = self._z.z(value)
+    def _score(self, z: float) -> float:
         if math.isnan(z):
             return NAN
         self._ph.update(z)

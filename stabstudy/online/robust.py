@@ -126,6 +126,27 @@ class RobustZ(Detector):
         self._s = z if self._s is None else self.ewma * z + (1 - self.ewma) * self._s
         return sided(self._s, self.side)
 
+    def fresh(self) -> bool:
+        """Whether no value has reached the window yet (the array forms start from there)."""
+        return not self._order and self._s is None
+
+    def zs(self, values: np.ndarray) -> np.ndarray:
+        """What a fresh copy's :meth:`z` returns fed ``values`` one by one (:func:`rolling_robust_z`)."""
+        if not self.fresh():
+            raise ValueError("zs replays a fresh detector; this one has seen values")
+        return rolling_robust_z(values, self.window, self.min_periods, self.clip, self.floor, self.window_of)
+
+    def replay(self, values: np.ndarray) -> np.ndarray:
+        if not self.fresh():
+            return super().replay(values)
+        z = self.zs(values)
+        out, s = np.full(z.shape, NAN), None
+        for t in np.flatnonzero(~np.isnan(z)):  # the EWMA as update runs it, value by value
+            zt = float(z[t])
+            s = zt if s is None else self.ewma * zt + (1 - self.ewma) * s
+            out[t] = sided(s, self.side)
+        return out
+
 
 class RobustScaler:
     """Causal robust standardisation of rows of ``n_features``, one :class:`RobustZ` per feature with

@@ -159,7 +159,9 @@ def meta_replay(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | No
 
 def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset | None = None,
                progress: bool = True) -> xr.DataArray:
-    """Feed every run of ``ds`` (dims run, step) to a fresh detector of every spec, step by step.
+    """Feed every run of ``ds`` (dims run, step) to a fresh detector of every spec, step by step
+    (:meth:`stabstudy.online.Detector.replay`: the array form of a detector's update where it has
+    one, equal bit for bit).
 
     ``meta``: :func:`meta_streams` of the same runs (needed by ``meta:`` specs). Returns the
     scores, dims ``(detector, run, step)``.
@@ -180,8 +182,7 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
                 x = cols[sp.feature]
             else:
                 continue  # the runs do not record this channel: the detector stays NaN
-            det = sp.make()
-            out[j, i] = [det.update(v) for v in x]
+            out[j, i] = sp.make().replay(x)  # = update fed value by value, bit for bit
     return xr.DataArray(out, dims=("detector", "run", "step"),
                         coords={"detector": [s.name for s in specs], "run": runs, "step": ds["step"].values})
 
