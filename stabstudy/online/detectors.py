@@ -267,11 +267,7 @@ class KendallEWS(Detector):
         if x.size >= self.window:
             w = np.lib.stride_tricks.sliding_window_view(r, self.window)  # row j: r[j .. j + window - 1]
             ind[self.window - 1:] = np.where(np.isfinite(w).all(axis=-1), _indicators(w, self.indicator), NAN)
-        out = np.full(x.size, NAN)
-        if x.size >= self.span:
-            y = np.lib.stride_tricks.sliding_window_view(ind, self.span)
-            out[self.span - 1:] = _taus(y)
-        return out
+        return _taus(ind, self.span)
 
 
 def _indicators(w: np.ndarray, indicator: str) -> np.ndarray:
@@ -285,22 +281,28 @@ def _indicators(w: np.ndarray, indicator: str) -> np.ndarray:
         return np.where(den > 0, np.sum(da * db, axis=-1) / den, NAN)
 
 
-def _taus(y: np.ndarray, chunk: int = 2048) -> np.ndarray:
-    """:func:`kendall_tau` of every row of ``y`` (shape (row, span)), in chunks of rows (each holds
-    every pair of its rows)."""
-    n = y.shape[1]
-    n0 = n * (n - 1) // 2
-    if n < 3:
-        return np.full(y.shape[0], NAN)
-    i, j = np.triu_indices(n, 1)
-    out = np.empty(y.shape[0])
-    for lo in range(0, y.shape[0], chunk):
-        c = y[lo:lo + chunk]
+def _taus(y: np.ndarray, span: int) -> np.ndarray:
+    """:func:`kendall_tau` of every window ``y[t - span + 1 .. t]`` of the series ``y`` (NaN for
+    ``t < span - 1``): for each lag ``k`` the signs and ties of the pairs ``(i, i + k)`` summed over
+    each window by a cumulative sum, O(span) a step. The sums are integers, so the taus are
+    kendall_tau's exactly; a window with a non-finite value gets NaN."""
+    out = np.full(y.size, NAN)
+    rows = y.size - span + 1
+    if span < 3 or rows < 1:
+        return out
+    finite = np.isfinite(y)
+    signs, ties = np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    for k in range(1, span):
         with np.errstate(all="ignore"):
-            d = c[:, j] - c[:, i]
-            ties = np.count_nonzero(d == 0, axis=-1)
-            tau = np.sign(d).sum(axis=-1) / np.sqrt((n0 * (n0 - ties)).astype(float))
-        out[lo:lo + chunk] = np.where(np.isfinite(c).all(axis=-1) & (ties < n0), tau, NAN)
+            d = y[k:] - y[:-k]
+        both = finite[k:] & finite[:-k]
+        for total, x in ((signs, np.where(both, np.sign(d), 0)), (ties, both & (d == 0))):
+            c = np.concatenate([[0], np.cumsum(x, dtype=np.int64)])
+            total += c[span - k:span - k + rows] - c[:rows]  # window j holds the pairs i = j .. j + span - 1 - k
+    n0 = span * (span - 1) // 2
+    ok = np.lib.stride_tricks.sliding_window_view(finite, span).all(axis=-1) & (ties < n0)
+    with np.errstate(all="ignore"):
+        out[span - 1:] = np.where(ok, signs / np.sqrt((n0 * (n0 - ties)).astype(float)), NAN)
     return out
 
 

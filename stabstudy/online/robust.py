@@ -123,7 +123,8 @@ class RobustZ(Detector):
         z = self.z(value)
         if math.isnan(z):
             return NAN
-        self._s = z if self._s is None else self.ewma * z + (1 - self.ewma) * self._s
+        # ewma 1 is no smoothing: 0 * a past infinite z would make every later score NaN
+        self._s = z if self._s is None or self.ewma == 1 else self.ewma * z + (1 - self.ewma) * self._s
         return sided(self._s, self.side)
 
     def fresh(self) -> bool:
@@ -140,6 +141,8 @@ class RobustZ(Detector):
         if not self.fresh():
             return super().replay(values)
         z = self.zs(values)
+        if self.ewma == 1:
+            return sided(z, self.side)
         out, s = np.full(z.shape, NAN), None
         for t in np.flatnonzero(~np.isnan(z)):  # the EWMA as update runs it, value by value
             zt = float(z[t])
