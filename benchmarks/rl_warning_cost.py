@@ -7,7 +7,11 @@ tenth of the control's return after the perturbation. The analysis is notebook 0
 streamed, the meta-state replayed, sensitivity, specificity and the held-out kinds, with the
 notebook's bootstrap sizes; then the verdict stability (calibration-seed resamples). One thread, as on a study worker.
 
-    OMP_NUM_THREADS=1 python benchmarks/rl_warning_cost.py [--seeds 3] [--rows 1200] [--n-boot 1000] [--resamples 200]
+``--stream`` also scores the same forks with every detector fed value by value (``update``, what a
+training loop does) beside ``replay`` (what the analysis does: the array form where a detector has
+one, equal bit for bit), and prints the ratio.
+
+    OMP_NUM_THREADS=1 python benchmarks/rl_warning_cost.py [--seeds 3] [--rows 1200] [--n-boot 1000] [--resamples 200] [--stream]
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ import xarray as xr
 
 from stabstudy.analysis.studies import meta_state as M
 from stabstudy.analysis.studies import rl_warning as W
+from stabstudy.analysis.warning import evaluation as E
 from stabstudy.online import MetaConfig
+from stabstudy.online import features as F
 
 EVERY, EVAL = 5, 500  # Monitor cadence (updates) and evaluation cadence (env steps), notebook 01's quick SAC
 
@@ -68,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1200, help="Monitor rows per fork")
     ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (notebook 04 quick: 1000)")
     ap.add_argument("--resamples", type=int, default=200, help="calibration resamples (notebook 04 quick: 200)")
+    ap.add_argument("--stream", action="store_true", help="also time update value by value against replay")
     args = ap.parse_args()
     fork, pre, prefix_of = forks(args.seeds, args.rows)
     t0 = time.perf_counter()
@@ -81,6 +88,28 @@ def main() -> None:
         t0 = time.perf_counter()
         M.verdict_stability(r.study, n_resamples=args.resamples, seed=0)
         print(f"verdict_stability ({args.resamples} resamples): {time.perf_counter() - t0:.1f} s")
+    if args.stream:
+        stream_vs_replay(W.on_rows(fork))
+
+
+def stream_vs_replay(rows: xr.Dataset) -> None:
+    """Seconds to score ``rows`` with notebook 04's RL suite, by update and by replay, side by side."""
+    specs = [s for s in E.suite(W.KINDS, W.RL_CHANNELS, lambda_max=False) if not s.feature.startswith("meta:")]
+    data = {c: rows[c].transpose("run", "step").values for c in F.channels_of([s.feature for s in specs]) if c in rows}
+    cols = {s.feature: np.stack([F.column({c: v[i] for c, v in data.items()}, s.feature) for i in range(rows.sizes["run"])])
+            for s in specs if F.channels_of([s.feature]) <= set(data)}
+    took = {}
+    for how in ("update", "replay"):
+        t0 = time.perf_counter()
+        for sp in specs:
+            for x in cols.get(sp.feature, ()):
+                d = sp.make()
+                _ = [d.update(v) for v in x] if how == "update" else d.replay(x)
+        took[how] = time.perf_counter() - t0
+    n = rows.sizes["run"] * rows.sizes["step"]
+    print(f"{len(specs)} detectors over {rows.sizes['run']} forks x {rows.sizes['step']} rows: update "
+          f"{took['update']:.1f} s ({took['update'] / n * 1e6:.0f} us a row), replay {took['replay']:.1f} s "
+          f"({took['replay'] / n * 1e6:.0f} us a row); update / replay = {took['update'] / took['replay']:.1f}")
 
 
 if __name__ == "__main__":

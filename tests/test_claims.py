@@ -42,6 +42,20 @@ def test_a_signed_rank_test_of_too_few_pairs_says_it_cannot_decide():
     assert "cannot decide" not in t3.reason  # a t-test of 3 pairs can reach any p
 
 
+def test_the_vectorised_signed_rank_p_is_scipys_wilcoxon_p():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    cases = [np.array([3.0, 0.0, 1.0, 1.0, -2.0]), np.array([0.0, 0.0, 2.0, 2.0, 2.0, -1.0, 5.0, 5.0]),
+             rng.standard_normal(9), np.round(rng.standard_normal(13)), np.round(rng.standard_normal(20))]
+    cases += [rng.integers(-3, 4, int(rng.integers(3, 11))).astype(float) for _ in range(30)]  # ties and zeros
+    for d in cases:
+        if np.all(d == 0):
+            continue
+        for alt in ("greater", "less", "two-sided"):
+            assert C.signed_rank_p(d, alt) == stats.wilcoxon(d, alternative=alt).pvalue, (d, alt)
+
+
 def test_difference_unpaired():
     a, b = rng.normal(5, 1, 10), rng.normal(0, 1, 10)
     assert C.difference("a>b", SRC, a, b, direction="greater").verdict == "supported"

@@ -297,11 +297,20 @@ def first_alarm(s: np.ndarray, threshold: float, a: int, b: int) -> int:
     its threshold for a whole run, for example because the run's configuration differs from the
     null's, would otherwise be credited the whole horizon as lead. It counts as a warning only
     if it falls and rises again inside the window, as alarms are counted everywhere else."""
+    return int(first_alarms(np.asarray(s)[None], np.array([threshold]), a, b)[0])
+
+
+def first_alarms(s: np.ndarray, thresholds: np.ndarray, a: int, b: int) -> np.ndarray:
+    """:func:`first_alarm` of every row of ``s`` (shape (detector, step)) against its own threshold
+    (shape (detector,)), over the same window ``[a, b]``."""
     a = max(a, 0)
-    above = s[max(a - 1, 0):b + 1] > threshold
-    rise = above[1:] & ~above[:-1] if a > 0 else np.concatenate([above[:1], above[1:] & ~above[:-1]])
-    hit = np.flatnonzero(rise)
-    return int(a + hit[0]) if hit.size else -1
+    above = s[:, max(a - 1, 0):b + 1] > np.asarray(thresholds, dtype=float)[:, None]
+    rise = above[:, 1:] & ~above[:, :-1]
+    if a == 0:
+        rise = np.concatenate([above[:, :1], rise], axis=1)
+    if not rise.shape[1]:
+        return np.full(s.shape[0], -1)
+    return np.where(rise.any(axis=1), a + rise.argmax(axis=1), -1)
 
 
 def leads(scores: xr.DataArray, info: pd.DataFrame, thresholds: pd.Series, *, horizon: int, late: int,
@@ -309,15 +318,14 @@ def leads(scores: xr.DataArray, info: pd.DataFrame, thresholds: pd.Series, *, ho
     """Lead time (onset - first alarm in ``[warn_from, onset + late]``, NaN when missed) of every
     detector (columns) on every event run of ``info`` (rows)."""
     ev = info[info.event]
-    out = pd.DataFrame(np.nan, index=ev.index, columns=scores["detector"].values)
+    dets = scores["detector"].values
     vals = scores.transpose("detector", "run", "step").sel(run=ev.index.values).values
+    thr = thresholds.loc[dets].to_numpy(dtype=float)
+    out = np.full((len(ev), len(dets)), np.nan)
     for i, (_, x) in enumerate(ev.iterrows()):
-        a = warn_from(x, horizon, burn_in)
-        for k, det in enumerate(out.columns):
-            t = first_alarm(vals[k, i], thresholds[det], a, x.onset + late)
-            if t >= 0:
-                out.iat[i, k] = x.onset - t
-    return out
+        t = first_alarms(vals[:, i], thr, warn_from(x, horizon, burn_in), x.onset + late)
+        out[i] = np.where(t >= 0, x.onset - t, np.nan)
+    return pd.DataFrame(out, index=ev.index, columns=dets)
 
 
 def penalised(lead: pd.DataFrame, late: int) -> pd.DataFrame:
@@ -481,8 +489,9 @@ def pairwise(lead: pd.DataFrame, reference: Sequence[str], late: int, alpha: flo
 
     Columns: ``a, b, n, median_diff`` (a - b, steps), ``p``, ``p_holm``, ``a_earlier`` (median > 0 and
     p_holm < alpha)."""
-    from scipy import stats as sps
     from statsmodels.stats.multitest import multipletests
+
+    from stabstudy.analysis.claims import signed_rank_p
 
     pen = penalised(lead, late)
     rows = []
@@ -491,7 +500,7 @@ def pairwise(lead: pd.DataFrame, reference: Sequence[str], late: int, alpha: flo
             if b == a:
                 continue
             d = (pen[a] - pen[b]).to_numpy(float)
-            p = float(sps.wilcoxon(d).pvalue) if np.any(d != 0) and d.size >= 2 else 1.0
+            p = signed_rank_p(d, "two-sided") if np.any(d != 0) and d.size >= 2 else 1.0
             rows.append({"a": a, "b": b, "n": d.size, "median_diff": float(np.median(d)) if d.size else np.nan, "p": p})
     out = pd.DataFrame(rows)
     if out.empty:
