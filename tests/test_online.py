@@ -155,6 +155,28 @@ def test_the_scaler_equals_the_batch_replay_of_the_meta_state_bit_for_bit():
     np.testing.assert_array_equal(stream, replay(x, None, cfg)["z"])
 
 
+def test_the_meta_state_replays_update_row_for_row_exactly():
+    from stabstudy.analysis.warning.metastate import fit_pca
+
+    feats = ("grad_norm", "xgrad", "update_grad_cos")
+    x = np.stack([_series(300, seed=s) for s in range(3)], axis=1)
+    x[::5, 1] = np.nan  # a channel measured every 5 steps
+    x[40:45] = np.nan  # a step with nothing measured
+    cfg = online.MetaConfig(window=20, min_periods=5, corr_window=16)
+    pca = fit_pca(np.nan_to_num(rolling_robust_z(x[60:], 20, 5, 10.0, window_of="steps")), feats, 2)
+    for model in (pca, None):
+        ms, stream = online.MetaState(feats, model, cfg), online.MetaState(feats, model, cfg)
+        got, want = ms.replay(x), [stream.update(r) for r in x]
+        assert len(got) == len(want) and ms._n == 0  # the replayed state did not move
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.r_[g[:4], g.z], np.r_[w[:4], w.z])
+        assert np.isfinite([g.coordination for g in got]).sum() > 200
+    seen = online.MetaState(feats, pca, cfg)
+    seen.update(x[0])  # a state that has seen rows replays from there
+    twin = copy.deepcopy(seen)
+    np.testing.assert_array_equal([r.q for r in seen.replay(x[1:])], [twin.update(r).q for r in x[1:]])
+
+
 def test_rolling_median_mad_matches_numpy_on_explicit_windows():
     x = _series(400, seed=7)
     med, mad, n = rolling_median_mad(x, 30)

@@ -22,6 +22,7 @@ control). :class:`MetaState` computes one step at a time; the batch replay of a 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,7 +31,7 @@ import numpy as np
 
 from stabstudy.online import features as F
 from stabstudy.online.base import Detector
-from stabstudy.online.robust import RobustScaler
+from stabstudy.online.robust import RobustScaler, rolling_robust_z
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,25 @@ class MetaState:
     def update(self, row: np.ndarray | Mapping[str, float]) -> MetaRow:
         """Feed one step: a feature row (shape (feature,)) or a mapping of that step's channels."""
         x = F.row(row, self.features) if isinstance(row, Mapping) else np.asarray(row, dtype=float)
-        z = self.scaler.update(x)
+        return self._step(self.scaler.update(x))
+
+    def replay(self, rows: np.ndarray) -> list[MetaRow]:
+        """What :meth:`update` returns fed ``rows`` (shape (step, feature)) one by one, as a list;
+        this state is left as it is. From a fresh state the standardisation of every row comes at
+        once (:func:`~stabstudy.online.robust.rolling_robust_z`, equal to the scaler bit for bit) and
+        the rest runs row by row as in :meth:`update`, so the rows are update's exactly."""
+        x = np.asarray(rows, dtype=float)
+        d = copy.deepcopy(self)
+        if self._n or not all(r.fresh() for r in self.scaler._z):
+            return [d.update(r) for r in x]
+        if x.ndim != 2 or x.shape[1] != len(self.features):
+            raise ValueError(f"rows of {len(self.features)} features were expected, got shape {x.shape}")
+        c = self.config
+        z = rolling_robust_z(x, c.window, c.min_periods, c.clip, c.floor, window_of="steps") if len(x) else x
+        return [d._step(r) for r in z]
+
+    def _step(self, z: np.ndarray) -> MetaRow:
+        """The step after the standardisation: smoothing, T^2 and Q, the coordination window."""
         if np.isnan(z).all():
             return MetaRow(np.nan, np.nan, np.nan, np.nan, z)
         z0 = np.where(np.isfinite(z), z, 0.0)

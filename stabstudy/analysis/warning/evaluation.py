@@ -125,8 +125,9 @@ def _channels(ds: xr.Dataset, run: str, names: set[str]) -> dict[str, np.ndarray
 
 def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | None, config: MetaConfig,
                  kinds: Sequence[str] = ()) -> xr.Dataset:
-    """The streaming :class:`MetaState` of every run: variables ``t2``, ``q``, ``coordination``,
-    ``eff_dim`` (dims run, step) and ``z`` (dims run, step, feature)."""
+    """The streaming :class:`MetaState` of every run (:meth:`MetaState.replay`: update's rows
+    exactly): variables ``t2``, ``q``, ``coordination``, ``eff_dim`` (dims run, step) and ``z``
+    (dims run, step, feature)."""
     F.check(meta_features, kinds)
     need = F.channels_of(meta_features)
     n_run, n_step = ds.sizes["run"], ds.sizes["step"]
@@ -134,9 +135,7 @@ def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | N
     z = np.full((n_run, n_step, len(meta_features)), np.nan)
     for i, run in enumerate(ds["run"].values):
         x = F.matrix(_channels(ds, run, need), meta_features, kinds)
-        ms = MetaState(meta_features, pca, config, kinds)
-        for t in range(n_step):
-            r = ms.update(x[t])
+        for t, r in enumerate(MetaState(meta_features, pca, config, kinds).replay(x[:n_step])):
             out["t2"][i, t], out["q"][i, t], out["coordination"][i, t], out["eff_dim"][i, t] = r[:4]
             z[i, t] = r.z
     coords = {"run": ds["run"].values, "step": ds["step"].values, "feature": list(meta_features)}
