@@ -596,6 +596,7 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
     ev_info = info[info.split == "evaluation"]
     ev_null = E.null_runs(info, "evaluation")
     free = E.event_free(ev_null, burn_in, horizon)
+    ev_pairs = {(d, r): E.step_pairs(arr[k], {row[r]: free[r]}) for k, d in enumerate(dets) for r in ev_null.index}
     base = C.table(sensitivity_claims(study))
     singles = [s.name for s in study.specs if s.family == "single"]
     metas = [s.name for s in study.specs if s.family == "meta"]
@@ -623,11 +624,14 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
         best_single = {**study.best_single, **best_single}
         best_meta = {**study.best_meta, **best_meta}
         leads = E.leads(sc.sel(detector=dets), ev_info, thr, horizon=horizon, late=late, burn_in=burn_in)
-        fa = pd.DataFrame({d: [1000.0 * c / n if n else np.nan for c, n in
-                               (E.count_alarms(arr[k], thr[d], {row[r]: free[r]}) for r in ev_null.index)]
-                           for k, d in enumerate(dets)}, index=ev_null.index)
-        on = pd.DataFrame({d: [E.time_in_alarm(arr[k], thr[d], {row[r]: free[r]}) for r in ev_null.index]
-                           for k, d in enumerate(dets)}, index=ev_null.index)
+        # E.count_alarms and E.time_in_alarm, from the evaluation nulls' step pairs
+        th = thr.to_dict()
+        fa = pd.DataFrame({d: [1000.0 * np.count_nonzero((lo <= th[d]) & (hi > th[d])) / n if n else np.nan
+                               for lo, hi, n in (ev_pairs[d, r] for r in ev_null.index)] for d in dets},
+                          index=ev_null.index)
+        on = pd.DataFrame({d: [np.count_nonzero(hi > th[d]) / n if n else np.nan
+                               for _, hi, n in (ev_pairs[d, r] for r in ev_null.index)] for d in dets},
+                          index=ev_null.index)
         b = replace(study, evaluation=replace(study.evaluation, thresholds=thr, leads=leads,
                                               fa_runs=fa, in_alarm_runs=on),
                     best_single=best_single, best_meta=best_meta)
