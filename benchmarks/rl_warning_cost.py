@@ -1,17 +1,17 @@
 """Wall time of notebook 04's RL analysis (:func:`stabstudy.analysis.studies.rl_warning.analyse`) for one learner.
 
 The forks are constructed, sized like notebook 01's quick grid: per prefix (seed) a control, five lr
-spikes and two lr ramps, ``--rows`` Monitor rows each (quick: about 1,200 for SAC and TD3, whose
-Monitor measures every 5th of ~6,000 updates, 640 for PPO); half the perturbed forks drop to a
-tenth of the control's return after the perturbation. The analysis is notebook 04's: every detector
-streamed, the meta-state replayed, sensitivity, specificity and the held-out kinds, with the
+spikes and two lr ramps, ``--rows`` Monitor rows each (notebook 04's RL forks of 01's 6-prefix quick
+grid had 5,000-7,200 rows, 2026-12-06); half the perturbed forks drop to a tenth of the control's
+return after the perturbation. The analysis is notebook 04's: every detector scored, the meta-state
+replayed, sensitivity, specificity and the held-out kinds, with the
 notebook's bootstrap sizes; then the verdict stability (calibration-seed resamples). One thread, as on a study worker.
 
 ``--stream`` also scores the same forks with every detector fed value by value (``update``, what a
 training loop does) beside ``replay`` (what the analysis does: the array form where a detector has
 one, equal bit for bit), and prints the ratio.
 
-    OMP_NUM_THREADS=1 python benchmarks/rl_warning_cost.py [--seeds 3] [--rows 1200] [--n-boot 1000] [--resamples 200] [--stream]
+    OMP_NUM_THREADS=1 python benchmarks/rl_warning_cost.py [--seeds 6] [--rows 6000] [--n-boot 1000] [--resamples 200] [--stream]
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def forks(seeds: int, rows: int, seed: int = 0) -> tuple[xr.Dataset, xr.Dataset,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, default=3, help="prefixes (notebook 01 quick: 3)")
-    ap.add_argument("--rows", type=int, default=1200, help="Monitor rows per fork")
+    ap.add_argument("--seeds", type=int, default=6, help="prefixes (notebook 01 quick: 6)")
+    ap.add_argument("--rows", type=int, default=6000, help="Monitor rows per fork")
     ap.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (notebook 04 quick: 1000)")
     ap.add_argument("--resamples", type=int, default=200, help="calibration resamples (notebook 04 quick: 200)")
     ap.add_argument("--stream", action="store_true", help="also time update value by value against replay")

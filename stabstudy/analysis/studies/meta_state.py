@@ -205,8 +205,7 @@ def analyse_labelled(ds: xr.Dataset, info: pd.DataFrame, kinds: Sequence[str], *
     chosen by their calibration AUC; 7. held-out kinds (:func:`held_out_kinds`).
 
     Nothing of a perturbed run enters a threshold or the PCA, so both are blind to every kind.
-    ``pairwise=False`` leaves step 5 out (an empty table): with few events scipy's Wilcoxon test
-    enumerates every sign flip, a second per pair of detectors. ``replay=True`` computes the meta-state
+    ``pairwise=False`` leaves step 5 out (an empty table). ``replay=True`` computes the meta-state
     with the vectorised replay (:func:`stabstudy.analysis.warning.evaluation.meta_replay`, equal to the
     stream to 1e-9), for many long runs.
     """
