@@ -72,11 +72,12 @@ SPEC_HASHES = {
 }
 
 #: processor (:func:`processor`) -> name -> digest of every array. The AMD EPYC's were recorded before
-#: the perturbation skeleton was shared (2026-12-01; its capability, AVX2, was not recorded then and is
-#: assumed: a wrong guess makes that machine skip, not pass). The Intel Xeon's on 2026-12-06 at edb4e1e,
+#: the perturbation skeleton was shared (2026-12-01, its capability not recorded then); on 2026-12-07 at
+#: 885ba8c an EPYC of model 2 with AVX-512 gave all eight of them again, so they are keyed to it (they
+#: were keyed to a guessed AVX2, and that machine skipped). The Intel Xeon's on 2026-12-06 at edb4e1e,
 #: whose learners are those with which the EPYC's pins last passed in CI.
 PINS = {
-    "AuthenticAMD/AVX2": {
+    "AuthenticAMD/AVX512/2": {
         "toy_adam": "f14346dbe2017ebb",
         "toy_sgd": "c9bebe465a1b5f43",
         "lm": "d9840cdadd476736",
@@ -99,7 +100,7 @@ PINS = {
 #: The pins stay those of the arrays recorded before, so that an added channel cannot hide a change to an old one.
 ADDED = {"toy_adam": ("out_logit_max", "last_weight_norm"), "toy_sgd": ("out_logit_max", "last_weight_norm")}
 ADDED_PINS = {
-    "AuthenticAMD/AVX2": {"toy_adam": "238278b46abc39a0", "toy_sgd": "0fbfde5ab5651cde"},
+    "AuthenticAMD/AVX512/2": {"toy_adam": "238278b46abc39a0", "toy_sgd": "0fbfde5ab5651cde"},
     "GenuineIntel/AVX512": {"toy_adam": "1710741963df9c81", "toy_sgd": "37c4c7b39ee635ca"},
 }
 
