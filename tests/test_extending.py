@@ -169,8 +169,8 @@ def test_a_scaffolded_experiment_runs_as_generated_and_reaches_claims_md(repo):
        "tests/test_notebook_text.py", repo)
     sh("stabstudy study --profile smoke --only 07 && stabstudy report --profile smoke", repo)
     rows = claim_rows(repo, "07_spike_check")
-    assert len(rows) == 1 and rows[0][1] == "an lr spike of x300 lowers the final test accuracy", rows
-    assert rows[0][7].strip("*") in VERDICTS
+    assert len(rows) == 1 and rows[0][2] == "an lr spike of x300 lowers the final test accuracy", rows
+    assert rows[0][10].strip("*") in VERDICTS
     assert list((repo / "results/smoke/figures/07_spike_check").glob("*.png"))
 
 
@@ -261,8 +261,8 @@ def test_the_guide_followed_block_by_block_ends_in_its_claims_row(repo):
     printed = [follow(b, repo) for b in runs_of_scripts(blocks())]
     rows = claim_rows(repo, "07_warmup_dose")
     assert len(rows) == 1, rows
-    assert rows[0][1].startswith("a longer lr warmup lowers the critical lr-spike dose"), rows
-    assert rows[0][7].strip("*") in VERDICTS and int(rows[0][4]) <= 3, rows  # at most the three seeds paired
+    assert rows[0][2].startswith("a longer lr warmup lowers the critical lr-spike dose"), rows
+    assert rows[0][10].strip("*") in VERDICTS and int(rows[0][6]) <= 3, rows  # at most the three seeds paired
     assert any("07_warmup_dose" in p for p in printed)  # the guide's last command shows the row
 
 

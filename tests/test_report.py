@@ -47,8 +47,8 @@ def study(tmp_path, monkeypatch):
     nbformat.write(nb, tmp_path / "build" / "quick" / "00_demo.ipynb")
     (tmp_path / "figures" / "00_demo").mkdir(parents=True)
     (tmp_path / "figures" / "00_demo" / "main.png").write_bytes(_png())
-    rows = [C.within_tolerance("slope = log sigma", "textbook", [1.01], 1.0, rel_tol=0.05),
-            C.not_tested("PPO collapses", "source paper", "no trained prefix")]
+    rows = [C.within_tolerance("slope = log sigma", "textbook", [1.01], 1.0, rel_tol=0.05, family="demo: slopes"),
+            C.not_tested("PPO collapses", "source paper", "no trained prefix", family="demo: RL")]
     C.save(C.table(rows), "00_demo", "quick")
     return tmp_path
 
@@ -64,7 +64,8 @@ def test_publish_writes_claims_pages_images_and_figures(study):
     # a progress bar's 101 redraws are shown as a terminal would: its last state, once
     assert "runs:  50%" not in page and page.count("runs: 100%|  100/100") == 1 and "\r" not in page
     text = (out / "CLAIMS.md").read_text()
-    assert "| 00_demo | slope = log sigma | textbook |" in text and "**supported**" in text
+    assert "| 00_demo | demo: slopes | slope = log sigma | textbook |" in text and "**supported**" in text
+    assert "| 00_demo | demo: RL | PPO collapses | source paper |  |  | 0 |  |" in text  # no 'nan' test name
     assert "**not tested**" in text and "00_demo 12 s" in text and "2026-12-01T03:00:12" in text
 
 
@@ -104,7 +105,7 @@ def test_publishing_one_notebook_keeps_the_other_pages_and_drops_removed_noteboo
     (study / "build" / "quick" / "claims" / "00_demo.csv").rename(study / "build" / "quick" / "claims" / "01_other.csv")
     report.publish("quick")
     text = (out / "CLAIMS.md").read_text()
-    assert "| 00_demo | slope = log sigma |" in text and "| 01_other | slope = log sigma |" in text
+    assert "| 00_demo | demo: slopes | slope = log sigma |" in text and "| 01_other | demo: slopes | slope = log sigma |" in text
     assert "00_demo 12 s, 01_other 3 s" in text and "2026-12-02T03:00:03" in text
     assert "00_demo not measured, 01_other 7 s" in text
     assert "01_other `abc123`" in text  # the commit it was executed at, not the report's

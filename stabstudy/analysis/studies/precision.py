@@ -542,8 +542,10 @@ def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.
         long_ = f32c[f32c.block_size == sizes[-1]].set_index(key).headroom0
         short = f32c[f32c.block_size == sizes[0]].set_index(key).headroom0
         m = long_.to_frame("long").join(short.to_frame("short"), how="outer")
+        # headrooms span orders of magnitude over the init scales: their ratio, not their difference
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lr_ = np.log(m["long"].to_numpy(float)) - np.log(m["short"].to_numpy(float))
         rows.append(C.paired_difference(f"a longer context ({sizes[-1]} vs {sizes[0]}) moves the logits closer to "
-                                        "the fp16 limit (step-0 headroom, paired by init scale and seed)", "our own",
-                                        m["long"].to_numpy(float), m["short"].to_numpy(float), direction="greater",
-                                        alpha=alpha))
+                                        "the fp16 limit (step-0 headroom, log ratio paired by init scale and seed)",
+                                        "our own", lr_, np.zeros(lr_.shape), direction="greater", alpha=alpha))
     return rows

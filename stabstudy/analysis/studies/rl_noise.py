@@ -181,5 +181,5 @@ def noise_buffer_claim(changes, learner: str, knob: str, *, checks=None, outcome
     verdict = "supported" if p_for < alpha else "not supported" if p_against < alpha else "inconclusive"
     p = p_against if verdict == "not supported" else p_for
     effect = float(np.nanmedian(rows.log10_change.to_numpy(float))) if "log10_change" in rows else (up - down) / n
-    return Claim(claim, source, verdict, f"{counts}; one-sided p = {p:.3g}{power}{note}", effect, n=n, test=test, p=p,
-                 p_decides=verdict != "inconclusive")
+    return Claim(claim, source, verdict, f"{counts}; one-sided p = {p:.3g}{power}{note}", effect, n=n, test=test,
+                 p_for=p_for, p_against=p_against)

@@ -470,8 +470,7 @@ def critical_dose_claim(claim: str, source: str, lower: Sequence[float], higher:
               f"p = {p_for:.3g}" + (f", against: p = {p_against:.3g}" if verdict == "not supported" else "")
               + worst + tail)
     effect = float(np.log10(med_a / med_b)) if np.isfinite(med_a) and np.isfinite(med_b) else np.nan
-    return Claim(claim, source, verdict, reason, effect, n=n, test=test,
-                 p=p_for if verdict != "not supported" else p_against, p_decides=verdict != "inconclusive")
+    return Claim(claim, source, verdict, reason, effect, n=n, test=test, p_for=p_for, p_against=p_against)
 
 
 #: Each :func:`prefix_critical_doses` value claim (b) can test, with its bracket's columns.
