@@ -68,6 +68,21 @@ def test_calibration_for_and_against():
     bad = _eos({0.3: [0.5, 0.4], 0.45: [0.5, 0.6], 0.6: [1.6, 1.5]})
     v = verdicts(calibration.claims_table(bad_dense, bad, _eos({0.003: [3.0], 0.006: [0.1]}), _spikes(6, 1.1, 0.0)))
     assert set(v.values()) == {"not supported"}
+    # one learning rate outside the band is enough against a claim about every one, and it is named
+    one_off = _eos({0.3: [1.05, 0.98], 0.45: [0.95, 1.0], 0.6: [1.6, 1.5]})
+    row = C.table(calibration.claims_table(dense, one_off, adam, _spikes(6, 10.0, 0.6))).iloc[1]
+    assert row.verdict == "not supported" and "outside: lr 0.6" in row.reason
+
+
+def test_calibration_claims_declare_their_plan():
+    """Every confirmatory row names a family of the plan and none falls back to 'no smallest effect'."""
+    dense = {"measured": 1.005, "target": 1.0, "tolerance": 0.02, "iters_used": 12}
+    gd = _eos({0.3: [1.05], 0.45: [0.95], 0.6: [1.1]})
+    df = C.table(calibration.claims_table(dense, gd, _eos({0.003: [1.1], 0.006: [0.9]}), _spikes(6, 10.0, 0.6)))
+    families = {p.family for p in calibration.plan().values()}
+    assert set(df.family) <= families and not df.reason.str.contains(C.NO_SESOI).any()
+    catapult = df[df.family == "catapult after an lr spike (toy MLP)"]
+    assert len(catapult) == 3 and catapult.power_supported.notna().all()
 
 
 # -- notebook 01 -------------------------------------------------------------------------

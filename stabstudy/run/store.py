@@ -420,7 +420,8 @@ def load_runs(specs: Iterable[RunSpec], store: RunStore | None = None, *, includ
     """Load stored runs into one Dataset with dims ``(run, step)``.
 
     Runs of different length are aligned on ``step`` (NaN-padded). Coordinates
-    along ``run`` come from :func:`run_coords` plus ``status``; hyperparameters
+    along ``run`` come from :func:`run_coords` plus ``status`` and ``wall_time_s`` (the
+    run's own compute time, when it was computed); hyperparameters
     absent from some specs are NaN there. ``missing``: ``"raise"`` or ``"skip"``
     runs that are not stored.
     """
@@ -442,6 +443,7 @@ def load_runs(specs: Iterable[RunSpec], store: RunStore | None = None, *, includ
             continue
         coords = run_coords(spec)
         coords["status"] = ds.attrs["status"]
+        coords["wall_time_s"] = float(ds.attrs.get("wall_time_s", np.nan))  # what a unit cost, stored or not
         loaded.append((ds, coords))
     if not loaded:
         if failed:
