@@ -4,10 +4,12 @@
 executed notebooks and each notebook's claims table) and ``figures/`` into
 ``results/<profile>/``:
 
-* ``CLAIMS.md``: every claim of every notebook in one table, headed by the profile,
-  the code version, the machine, the package versions, the date of the study and each
-  notebook's wall time (all read from the executed notebooks, so regenerating the
-  report from the same study gives the same bytes);
+* ``CLAIMS.md``: every claim of every notebook, the confirmatory table then the exploratory
+  one, headed by the profile, the code version, the machine, the package versions, the
+  date of the study and each notebook's wall time (all read from the executed notebooks, so
+  regenerating the report from the same study gives the same bytes);
+* ``FINDINGS.md``: per notebook, its question and the answer written from its confirmatory
+  verdicts (:mod:`stabstudy.run.findings`);
 * ``<notebook>.md`` with its images as separate PNG files in ``<notebook>_files/`` (stream
   outputs as a terminal shows them: a progress bar is its last state, not each redraw);
 * ``figures/<notebook>/*.png``;
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from stabstudy import paths
 from stabstudy.analysis import claims_markdown
+from stabstudy.run import findings
 
 #: Folders whose contents decide the published numbers.
 SOURCES = ("stabstudy", "notebooks")
@@ -128,15 +131,18 @@ def from_scratch(page: dict, previous: dict | None) -> dict | None:
     return (previous or {}).get("from_scratch")
 
 
-def _claims_rows(profile: str, stem: str) -> dict[str, list[str]]:
-    """A notebook's confirmatory and exploratory rows for ``CLAIMS.md``, each led by the notebook."""
+def _claims_table(profile: str, stem: str):
+    """A notebook's saved claims table (None where it saved none)."""
     import pandas as pd
 
-
     f = paths.claims_dir(profile) / f"{stem}.csv"
-    if not f.exists():
+    return pd.read_csv(f, keep_default_na=False, na_values=[""]) if f.exists() else None
+
+
+def _claims_rows(df, stem: str) -> dict[str, list[str]]:
+    """A notebook's confirmatory and exploratory rows for ``CLAIMS.md``, each led by the notebook."""
+    if df is None:
         return {"confirmatory": [f"| {stem} | (no claims table saved) |" + " |" * 10], "exploratory": []}
-    df = pd.read_csv(f, keep_default_na=False, na_values=[""])
     return {"confirmatory": [f"| {stem} {line}" for line in claims_markdown.confirmatory_lines(df)],
             "exploratory": [f"| {stem} {line}" for line in claims_markdown.exploratory_lines(df)]}
 
@@ -202,7 +208,9 @@ def publish(profile: str = "quick") -> list[Path]:
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
         # the execution's own commit (in measured) wins over the report's
-        page = {"commit": commit, **measured, "claims": _claims_rows(profile, nb.stem), "sources": sources}
+        table = _claims_table(profile, nb.stem)
+        page = {"commit": commit, **measured, "claims": _claims_rows(table, nb.stem), "sources": sources,
+                "table": None if table is None else table.to_dict("records")}
         pages[nb.stem] = page | {"from_scratch": from_scratch(page, before.get(nb.stem))}
     pages = dict(sorted(pages.items()))
     commits = list(dict.fromkeys(e["commit"] for e in pages.values()))
@@ -254,6 +262,7 @@ def publish(profile: str = "quick") -> list[Path]:
         "",
     ]
     (out / "CLAIMS.md").write_text("\n".join(head))
+    findings.write(out, {s: e.get("table") for s, e in pages.items()}, paths.root() / "notebooks")
     manifest = {"profile": profile, "notebooks": pages}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return sorted(p for p in out.rglob("*") if p.is_file())
