@@ -596,7 +596,7 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
     ev_null = E.null_runs(info, "evaluation")
     free = E.event_free(ev_null, burn_in, horizon)
     ev_pairs = {(d, r): E.step_pairs(arr[k], {row[r]: free[r]}) for k, d in enumerate(dets) for r in ev_null.index}
-    base = C.table(sensitivity_claims(study))
+    base = C.table(sensitivity_claims(study), power=False)
     singles = [s.name for s in study.specs if s.family == "single"]
     metas = [s.name for s in study.specs if s.family == "meta"]
     rng = np.random.default_rng(seed)
@@ -634,7 +634,7 @@ def verdict_stability(study: MetaStudy, n_resamples: int = 200, seed: int = 0) -
         b = replace(study, evaluation=replace(study.evaluation, thresholds=thr, leads=leads,
                                               fa_runs=fa, in_alarm_runs=on),
                     best_single=best_single, best_meta=best_meta)
-        seen[key] = C.table(sensitivity_claims(b)).verdict.to_numpy() == base.verdict.to_numpy()
+        seen[key] = C.table(sensitivity_claims(b), power=False).verdict.to_numpy() == base.verdict.to_numpy()
         same += seen[key]
     return pd.DataFrame({"claim": base.claim, "verdict": base.verdict, "same": same / max(n_resamples, 1),
                          "n_resamples": n_resamples})
