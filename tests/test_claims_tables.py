@@ -227,46 +227,77 @@ def test_rl_summarize_separates_broken_runs_and_unobserved_drops():
 
 # -- notebook 02 -------------------------------------------------------------------------
 
+LM_ROWS = ("an LR spike causes a loss spike", "the spike after an LR spike is transient",
+           "an LR spike leaves unrecovered damage", "an outlier batch causes a loss spike",
+           "the spike after an outlier batch is transient", "an outlier batch leaves unrecovered damage",
+           "an outlier batch inflates the gradient norm", "an outlier batch inflates Adam's second moment",
+           "inflated Adam second moments persist", "their persistence grows", "qk-layernorm lowers LR sensitivity",
+           "z-loss lowers LR sensitivity", "attention logits grow with the learning rate",
+           "qk-layernorm keeps the maximum attention logit", "attention-logit growth accompanies",
+           "controlled stochasticity (gradient noise) buffers an LR spike: lower peak",
+           "controlled stochasticity (gradient noise) buffers an LR spike: lower final damage", "outside spikes",
+           "during an LR spike")
 
-def _lm(n: int = 6, spike: bool = True, memory_ok: bool = True, qk_helps: bool = True):
+
+def _lm(n: int = 12, claims_hold: bool = True, damage: float = 0.03):
+    """Notebook 02's tables with every claim true (``claims_hold``) or every effect absent or reversed;
+    ``damage``: the lasting damage (nats) of an event without gradient noise, 0 at the largest dose when the
+    claims hold (noise buffers it)."""
     rng = np.random.default_rng(2)
     eff = []
     for kind in ("lr_spike", "outlier_batch"):
-        for noise in (0.0, 1.0, 3.0):
+        for noise in (0.0, 3.0):
             for i in range(n):
-                size = (1.0 if spike else 0.0) / (1 + noise if spike else 1)
+                buffered = claims_hold and noise > 0
                 eff.append(dict(event=kind, noise=noise, seed=i, beta2=0.95,
-                                peak_excess_loss=size + 0.01 * rng.random(),
-                                final_damage=(0.3 if not spike else 0.0) + 0.002 * rng.normal(),
-                                grad_norm_ratio=(5.0 if spike else 1.0) + 0.1 * rng.random(),
-                                adam_v_ratio=(5.0 if spike else 1.0) + 0.1 * rng.random()))
+                                peak_excess_loss=(0.25 if buffered else 1.0 if claims_hold else 0.0)
+                                + 0.01 * rng.random(),
+                                final_damage=(0.0 if buffered else damage) + 0.002 * rng.normal(),
+                                twin_final_loss=2.3 + 0.01 * rng.normal(),
+                                grad_norm_ratio=(5.0 if claims_hold else 1.0) + 0.1 * rng.random(),
+                                adam_v_ratio=(5.0 if claims_hold else 1.0) + 0.1 * rng.random()))
     mem = pd.DataFrame([dict(beta2=b2, seed=i, tau_theory=1 / (1 - b2), steps_observed=500,
-                             t_efold=(1 / (1 - b2)) * (1.05 if memory_ok else 3.0),
-                             tau_fit=(1 / (1 - b2)) * (1 + 0.01 * i) if memory_ok else 1000 * (1 - b2) + 0.1 * i)
+                             t_efold=(1 / (1 - b2)) * (1.05 if claims_hold else 3.0),
+                             tau_fit=(1 / (1 - b2)) * (1 + 0.01 * i) if claims_hold else 1000 * (1 - b2) + 0.1 * i)
                         for b2 in (0.9, 0.95, 0.99) for i in range(n)])
     sweep = []
     for variant in ("baseline", "qk_layernorm", "z_loss"):
         for j, lr in enumerate((1e-3, 3e-3, 1e-2, 3e-2, 1e-1)):
             for i in range(n):
+                fixed = variant != "baseline" and claims_hold  # qk-layernorm and z-loss help only when the claims hold
                 qk = variant == "qk_layernorm"
-                logit = 10.0 * (j + 1) * (0.2 if qk == qk_helps else 1.0) + rng.random()
-                worse = j >= (2 if qk and not qk_helps else 3) and (variant == "baseline" or not qk_helps)
-                sweep.append(dict(variant=variant, lr=lr, seed=i, final_loss=4.0 + j if worse else 2.0 + 0.01 * rng.random(),
-                                  loss0=5.5, attn_logit_max=logit, status="ok"))
-    sharp = pd.DataFrame([dict(spec_hash=f"r{i}", in_event=e, precond_ratio=(0.5 if e == 0 else 2.0) * (1 + 0.05 * i))
-                          for i in range(n) for e in (0, 1)])
+                # the baseline's logits grow with the lr (and with its failures) when the claims hold, fall otherwise;
+                # qk-layernorm's are 5-fold lower when they hold, 5-fold higher otherwise
+                logit = (10.0 * (j + 1) if claims_hold else 100.0 / (j + 1)) * ((0.2 if claims_hold else 5.0) if qk else 1.0)
+                worse = j >= 3 and not fixed
+                sweep.append(dict(variant=variant, lr=lr, seed=i, loss0=5.5, status="ok",
+                                  final_loss=4.0 + j + 0.01 * rng.random() if worse else 2.0 + 0.01 * rng.random(),
+                                  attn_logit_max=logit * (1 + 0.01 * rng.random())))
+    sharp = pd.DataFrame([dict(spec_hash=f"{kind}{i}", event=kind, seed=i, in_event=e,
+                               precond_ratio=((0.5 if e == 0 else 2.0) if claims_hold else 1.0) * (1 + 0.01 * rng.random()))
+                          for i in range(n) for kind in ("none", "lr_spike") for e in (0, 1) if kind != "none" or e == 0])
     return pd.DataFrame(eff), mem, pd.DataFrame(sweep), sharp
 
 
 def test_lm_missing_data_gives_no_verdict():
     empty = pd.DataFrame()
-    assert set(verdicts(lm_spikes.claims(empty, empty, empty, None)).values()) <= MISSING
+    assert set(verdicts(lm_spikes.claims(empty, empty, empty, None)).values()) == {"not tested"}
     eff, mem, sweep, sharp = _lm()
     for df, cols in ((eff, ["peak_excess_loss", "final_damage", "grad_norm_ratio", "adam_v_ratio"]),
                      (mem, ["t_efold", "tau_fit"]), (sweep, ["final_loss", "attn_logit_max"]),
                      (sharp, ["precond_ratio"])):
         df[cols] = np.nan
     assert set(verdicts(lm_spikes.claims(eff, mem, sweep, sharp)).values()) <= MISSING
+
+
+def test_lm_every_confirmatory_row_declares_its_smallest_effect_and_family():
+    df = C.table(lm_spikes.claims(*_lm()))
+    assert len(df) == len(LM_ROWS) and (df.role == "confirmatory").all()
+    assert set(df.family) == {p.family for p in lm_spikes.plan().values()} == set(lm_spikes.FAMILIES.values())
+    assert not df.reason.str.contains(C.NO_SESOI).any()
+    assert df.source.str.contains("smallest effect: ").all()
+    directional = df[~df.test.str.startswith(("TOST", "every case"))]
+    assert np.isfinite(directional.sesoi).all() and np.isfinite(directional.power_supported).all()
 
 
 def test_lm_qk_layernorm_row_needs_qk_data():
@@ -284,19 +315,45 @@ def test_lm_qk_layernorm_row_needs_qk_data():
 
 def test_lm_claims_for_and_against():
     v = verdicts(lm_spikes.claims(*_lm()))
-    for start in ("an LR spike causes a loss spike", "the spike after an outlier batch is transient",
-                  "an outlier batch inflates the gradient norm", "inflated Adam second moments persist",
-                  "their persistence grows", "qk-layernorm lowers LR sensitivity",
-                  "attention logits grow with the learning rate", "qk-layernorm keeps the maximum attention logit",
-                  "attention-logit growth accompanies", "controlled stochasticity (gradient noise) buffers an LR "
-                  "spike: lower peak", "outside spikes", "during an LR spike"):
+    for start in LM_ROWS:
         assert find(v, start) == "supported", start
-    v = verdicts(lm_spikes.claims(*_lm(spike=False, memory_ok=False, qk_helps=False)))
-    assert find(v, "an LR spike leaves unrecovered damage") == "supported"
-    for start in ("the spike after an LR spike is transient", "an outlier batch inflates Adam's second moment",
-                  "inflated Adam second moments persist", "their persistence grows", "qk-layernorm lowers LR",
-                  "qk-layernorm keeps the maximum attention logit"):
+    v = verdicts(lm_spikes.claims(*_lm(claims_hold=False, damage=0.3)))
+    for start in LM_ROWS:
+        want = "supported" if start.endswith("leaves unrecovered damage") else "not supported"
+        assert find(v, start) == want, start
+
+
+def test_lm_absent_damage_with_enough_seeds_is_not_supported():
+    """No lasting damage at all (and so none for gradient noise to buffer): the rows that claim damage say
+    'not supported' once enough seeds exclude 1% of the final loss; three seeds cannot."""
+    v = verdicts(lm_spikes.claims(*_lm(damage=0.0)))
+    for start in ("an LR spike leaves unrecovered damage", "an outlier batch leaves unrecovered damage",
+                  "controlled stochasticity (gradient noise) buffers an LR spike: lower final damage"):
         assert find(v, start) == "not supported", start
+    assert find(v, "the spike after an LR spike is transient") == "supported"
+    v = verdicts(lm_spikes.claims(*_lm(n=2, damage=0.0)))
+    assert find(v, "an LR spike leaves unrecovered damage") == "inconclusive"
+
+
+def test_lm_sharpness_in_event_set_is_the_lr_spike_runs_only():
+    """An outlier batch's measurement during its event (at the usual lr, far below the threshold) is not
+    pooled into the LR spike's; without LR-spike runs the row is not tested."""
+    eff, mem, sweep, sharp = _lm()
+    outlier = sharp[sharp.event == "lr_spike"].assign(event="outlier_batch", precond_ratio=0.05,
+                                                      spec_hash=lambda d: "o" + d.spec_hash)
+    v = verdicts(lm_spikes.claims(eff, mem, sweep, pd.concat([sharp, outlier])))
+    assert find(v, "during an LR spike") == "supported"
+    v = verdicts(lm_spikes.claims(eff, mem, sweep, pd.concat([sharp[sharp.event == "none"], outlier])))
+    assert find(v, "during an LR spike") == "not tested"
+
+
+def test_lm_seed_is_the_unit_of_the_sweep_and_sharpness_rows():
+    eff, mem, sweep, sharp = _lm(n=4)
+    df = C.table(lm_spikes.claims(eff, mem, sweep, sharp)).set_index("claim")
+    n = {start: int(df.n[[k for k in df.index if k.startswith(start)][0]])
+         for start in ("attention logits grow", "qk-layernorm keeps", "attention-logit growth", "outside spikes",
+                       "during an LR spike", "qk-layernorm lowers")}
+    assert set(n.values()) == {4}, n
 
 
 # -- notebook 03 -------------------------------------------------------------------------
@@ -406,3 +463,21 @@ def test_rl_first_last_returns_skip_rows_without_evaluations():
     ends = rl_comparison.first_last_returns(ds)
     assert ends.loc["a"].tolist() == [-300.0, 2000.0]
     assert ends.loc["b"].isna().all()
+
+
+@pytest.mark.parametrize("module", [lm_spikes], ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_analysis_plan_declares_every_confirmatory_claim_before_the_runs(module):
+    """The plan's rows (printed before the runs) are the families and smallest effects the claims use; each
+    row's source names where its smallest effect comes from."""
+    from stabstudy.analysis import plan
+
+    frame = plan.frame(module.plan())
+    assert frame.why.str.len().gt(0).all() and frame["smallest effect"].gt(0).all()
+    data = _lm() if module is lm_spikes else _prec(True)
+    rows = lm_spikes.claims(*data) if module is lm_spikes else precision.claims_table(*data)
+    df = C.table(rows)
+    whys = {p.why for p in module.plan().values()}
+    assert all(any(src.endswith(f"smallest effect: {w}") for w in whys) for src in df.source)
+    # a universal claim has its tolerance, not a smallest effect; a relative TOST margin is printed in nats
+    used = df[~df.test.str.contains("relative")].sesoi.abs().dropna().round(9)
+    assert set(used) <= {round(p.sesoi, 9) for p in module.plan().values()}

@@ -190,24 +190,25 @@ def test_run_on_an_edited_corpus_file_is_recomputed(tmp_store, tmp_path, monkeyp
 
 def test_sharpness_claims_use_adams_preconditioned_threshold():
     """Adam is judged against (2 + 2 beta1) / ((1 - beta1) lr) on lambda_max(P^-1 H), not raw
-    lambda_max against 2/lr (which Adam trains past); one value per run, three runs needed."""
+    lambda_max against 2/lr (which Adam trains past); one median per seed (a seed's twin and spiked run
+    share every step before the event), three seeds needed, and the in-event set is the LR-spike runs'."""
     import pandas as pd
 
-    twin = study.base_spec(8, 0, **TINY)
-    spikes = [study.base_spec(8, 0, perturbations=(Perturbation("lr_spike", 4, 2, dose=d),), **TINY)
-              for d in (10.0, 20.0)]
-    lr = np.full((3, 8), 1e-2)
-    lr[1:, 4:6] = 0.1
+    twins = [study.base_spec(8, s, **TINY) for s in range(3)]
+    spikes = [study.base_spec(8, s, perturbations=(Perturbation("lr_spike", 4, 2, dose=10.0),), **TINY)
+              for s in range(3)]
+    lr = np.full((6, 8), 1e-2)
+    lr[3:, 4:6] = 0.1
     thr = (2 + 2 * 0.9) / (0.1 * lr)  # 38 / lr
-    pre = 0.5 * thr * np.array([[1.0], [1.1], [1.2]])  # about half the threshold ...
-    pre[1:, 4:6] = 2.0 * thr[1:, 4:6]  # ... except twice it during the spikes
+    pre = 0.5 * thr * np.array([[1.0], [1.1], [1.2], [1.0], [1.1], [1.2]])  # about half the threshold ...
+    pre[3:, 4:6] = 2.0 * thr[3:, 4:6] * np.array([[1.0], [1.1], [1.2]])  # ... except twice it during the spikes
     lam = 10.0 * 2.0 / lr  # raw sharpness 10x past 2/lr everywhere
     ds = xr.Dataset({"lambda_max": (("run", "step"), lam), "lr": (("run", "step"), lr),
                      "precond_sharpness": (("run", "step"), pre)},
-                    coords={"run": [twin.spec_hash] + [s.spec_hash for s in spikes], "step": np.arange(8)})
-    sharp = study.sharpness_table(ds, [twin, *spikes])
+                    coords={"run": [s.spec_hash for s in twins + spikes], "step": np.arange(8)})
+    sharp = study.sharpness_table(ds, twins + spikes)
     assert np.allclose(sharp.adam_threshold, 38 / sharp.lr) and np.allclose(sharp.ratio, 10.0)
-    assert np.allclose(sharp[sharp.in_event == 1].precond_ratio, 2.0) and len(sharp[sharp.in_event == 1]) == 4
+    assert np.allclose(sharp[sharp.in_event == 1].precond_ratio / [2.0, 2.0, 2.2, 2.2, 2.4, 2.4], 1.0)
     empty = pd.DataFrame()
 
     def verdict(table, start):
@@ -215,11 +216,14 @@ def test_sharpness_claims_use_adams_preconditioned_threshold():
 
     table = study.claims(empty, empty, empty, sharp)
     assert verdict(table, "outside spikes") == "supported"
-    assert verdict(table, "during an LR spike") == "inconclusive"  # two runs with a spike: too few
-    sharp.loc[sharp.in_event == 0, "precond_ratio"] *= 3.0  # past Adam's threshold outside spikes
-    assert verdict(study.claims(empty, empty, empty, sharp), "outside spikes") == "not supported"
-    assert verdict(study.claims(empty, empty, empty, sharp[sharp.spec_hash == twin.spec_hash]),
-                   "outside spikes") == "inconclusive"  # one run: no verdict
+    assert verdict(table, "during an LR spike") == "supported"
+    two = sharp[sharp.seed < 2]
+    assert verdict(study.claims(empty, empty, empty, two), "during an LR spike") == "inconclusive"  # two seeds
+    past = sharp.copy()
+    past.loc[past.in_event == 0, "precond_ratio"] *= 3.0  # past Adam's threshold outside spikes
+    assert verdict(study.claims(empty, empty, empty, past), "outside spikes") == "not supported"
+    one_seed = sharp[sharp.seed == 0]  # a twin and its spiked run: one unit, no verdict
+    assert verdict(study.claims(empty, empty, empty, one_seed), "outside spikes") == "inconclusive"
     assert verdict(study.claims(empty, empty, empty, None), "outside spikes") == "not tested"
 
 

@@ -4,17 +4,102 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
+from stabstudy.analysis.plan import Planned
 from stabstudy.hparams import GPTHParams, defaults
 from stabstudy.spec import Perturbation, RunSpec
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim
+
+
+FAMILIES = {
+    "lr_spike": "LR spike: loss spike, recovery, damage (GPT)",
+    "outlier": "outlier batch: loss spike, recovery, damage, inflation (GPT)",
+    "memory": "Adam's memory of an outlier batch (GPT)",
+    "sensitivity": "LR sensitivity: qk-layernorm and z-loss (GPT, Wortsman et al. 2023)",
+    "logits": "attention-logit growth with the LR (GPT, Wortsman et al. 2023)",
+    "noise": "gradient noise buffers an LR spike (GPT)",
+    "eos": "Adam's edge of stability around an LR spike (GPT, Cohen et al. 2022)",
+}
+"""Notebook 02's questions, one domain each: Holm adjusts within a family only."""
+
+
+def plan(*, band: float = 0.05, min_ratio: float = 2.0, memory_tolerance: float = 0.5, loss_frac: float = 0.01,
+         logit_fold: float = 2.0, correlation: float = 0.3, eos_tolerance: float = 0.2) -> dict[str, Planned]:
+    """Notebook 02's analysis plan, from its parameters: each confirmatory claim's family and smallest
+    effect of interest, fixed before the runs.
+
+    The unit of every claim is the seed: a perturbed run against its unperturbed twin of the same seed
+    (same initialisation and batches), or one summary per seed where a seed has several runs or
+    measurements (the learning rates of the sweep, the sharpness measurements of a run).
+
+    Args:
+        band: the recovery band (nats) a spike exceeds and a transient one ends within.
+        min_ratio: the factor an outlier batch inflates the gradient norm and Adam's v by, at least.
+        memory_tolerance: the relative tolerance of "about 1/(1-beta2)".
+        loss_frac: the project's margin, a fraction of the final loss (about the seed-to-seed spread).
+        logit_fold: the smallest reduction of the maximum attention logit credited to qk-layernorm.
+        correlation: the project's margin for correlations.
+        eos_tolerance: "at Adam's threshold" means within this relative distance of it (notebook 00's
+            calibration tolerance ``adam_tolerance``).
+    """
+    F = FAMILIES
+    words = "the claim's own words"
+    band_why = f"{words}: the {band:g}-nat recovery band"
+    loss_why = f"the project's margin: {loss_frac:.0%} of the final loss, about the seed-to-seed spread"
+    rho_why = f"the project's margin for correlations: rho {correlation:g}"
+    eos_why = (f"{eos_tolerance:.0%} of the threshold: notebook 00's calibration tolerance for the preconditioned "
+               "sharpness 'at' it")
+    damage = "fraction of the twin's final validation loss"
+    out: dict[str, Planned] = {}
+    for kind in ("lr_spike", "outlier"):
+        out |= {f"{kind} peak": Planned(F[kind], band, "nats of peak excess loss", band_why, minimum=band),
+                f"{kind} transient": Planned(F[kind], band, "nats of final excess loss (TOST margin)", band_why),
+                f"{kind} damage": Planned(F[kind], loss_frac, damage, loss_why)}
+    fold = Planned(F["outlier"], float(np.log(min_ratio)), "log ratio to the twin", f"{words}: {min_ratio:g}-fold",
+                   minimum=float(np.log(min_ratio)))
+    return out | {
+        "grad_norm inflation": fold,
+        "adam_v inflation": fold,
+        "memory efold": Planned(F["memory"], memory_tolerance, "relative error of the e-folding time (every run)",
+                                f"{words}: 'about' 1/(1-beta2), at most {memory_tolerance:g} off"),
+        "memory beta2": Planned(F["memory"], correlation, "Spearman rho over the runs", rho_why),
+        "qk sensitivity": Planned(F["sensitivity"], loss_frac, "fraction of the baseline's best final loss",
+                                  loss_why),
+        "z sensitivity": Planned(F["sensitivity"], loss_frac, "fraction of the baseline's best final loss", loss_why),
+        "logit growth": Planned(F["logits"], correlation, "Spearman rho per seed", rho_why),
+        "qk logit": Planned(F["logits"], float(np.log(logit_fold)), "log ratio per seed",
+                            f"the study's fold margin: {logit_fold:g}-fold, as in its 'at least 2-fold' claims"),
+        "logit failure": Planned(F["logits"], correlation, "Spearman rho per seed", rho_why),
+        "noise peak": Planned(F["noise"], band, "nats of peak excess loss", band_why),
+        "noise damage": Planned(F["noise"], loss_frac, damage, loss_why),
+        "eos outside": Planned(F["eos"], float(-np.log(1 - eos_tolerance)), "log ratio to Adam's threshold", eos_why),
+        "eos spike": Planned(F["eos"], float(np.log(1 + eos_tolerance)), "log ratio to Adam's threshold", eos_why),
+    }
+
+
+def unit_costs(parts: Mapping[str, tuple[Sequence[RunSpec], str]], wall: Mapping[str, float]) -> pd.DataFrame:
+    """The units of each part of a design and what they cost: one row per part with ``unit``,
+    ``units`` (distinct seeds), ``runs``, ``worker_s`` (the stored runs' wall time on one worker,
+    a run shared by several parts counted in each) and ``worker_s_per_unit``.
+
+    ``parts``: name -> (its specs, the name of its unit); ``wall``: spec_hash -> seconds."""
+    rows = []
+    for name, (specs, unit) in parts.items():
+        specs = list({s.spec_hash: s for s in specs}.values())
+        seconds = float(sum(wall.get(s.spec_hash, np.nan) for s in specs)) if specs else 0.0
+        n = len({s.seed for s in specs})
+        rows.append({"part": name, "unit": unit, "units": n, "runs": len(specs), "worker_s": seconds,
+                     "worker_s_per_unit": seconds / n if n else np.nan})
+    return pd.DataFrame(rows).set_index("part")
 
 
 def base_spec(steps: int, seed: int = 0, task: str = "stdlib", log_every: int = 1, eval_every: int = 0,
@@ -169,6 +254,7 @@ def spike_effects(ds: xr.Dataset, specs: list[RunSpec], smooth: int = 5, abs_tol
       ``abs_tol`` nats (NaN: never left the band, nothing to recover from; inf: never came back
       within the run);
     * ``final_damage``: final ``val_loss`` minus the twin's (unrecovered damage, nats);
+    * ``twin_final_loss``: the twin's final ``val_loss`` (the scale of the damage);
     * ``grad_norm_ratio``, ``update_ratio_ratio``, ``adam_v_ratio``: peak over the window
       divided by the twin's value at the same steps (max of the ratio);
     * ``xgrad_min``: lowest gradient coherence in the window;
@@ -192,7 +278,8 @@ def spike_effects(ds: xr.Dataset, specs: list[RunSpec], smooth: int = 5, abs_tol
         out["peak_excess_loss"] = float(np.nanmax(d[win])) if np.isfinite(d[win]).any() else np.nan
         out["drawdown"] = float(events.max_drawdown(_smooth_from(loss[:n], s0, smooth), steps, start=s0, higher_is_better=False))
         out["recovery_steps"] = float(events.recovery_time(d, s0, steps, abs_tol=abs_tol, higher_is_better=False))
-        out["final_damage"] = _final(_curve(ds, h, "val_loss")) - _final(_curve(ds, r.twin, "val_loss"))
+        out["twin_final_loss"] = _final(_curve(ds, r.twin, "val_loss"))
+        out["final_damage"] = _final(_curve(ds, h, "val_loss")) - out["twin_final_loss"]
         for ch, name in (("grad_norm", "grad_norm_ratio"), ("update_ratio", "update_ratio_ratio"),
                          ("adam_v_mean", "adam_v_ratio")):
             a, b = _curve(ds, h, ch)[win], _curve(ds, r.twin, ch)[win]
@@ -357,7 +444,8 @@ def sharpness_table(ds: xr.Dataset, specs: list[RunSpec]) -> pd.DataFrame:
 
 def seed_sensitivity(sweep: pd.DataFrame) -> pd.DataFrame:
     """:func:`lr_sensitivity` per (variant, seed) of :func:`lr_sweep_table` rows: columns
-    ``variant, seed, lr_sensitivity, n_lr, n_finite``.
+    ``variant, seed, lr_sensitivity, best_loss`` (the lowest finite final loss over the learning
+    rates), ``n_lr, n_finite``.
 
     NaN when no learning rate of that variant and seed reached a finite final loss: a
     sweep in which everything diverged has no data, which :func:`lr_sensitivity` (every
@@ -370,9 +458,10 @@ def seed_sensitivity(sweep: pd.DataFrame) -> pd.DataFrame:
             fl = g.final_loss.to_numpy(float)
             n_finite = int(np.isfinite(fl).sum())
             sens = lr_sensitivity(fl, float(g.loss0.mean())) if n_finite else np.nan
-            rows.append({"variant": variant, "seed": seed, "lr_sensitivity": sens, "n_lr": len(g),
+            best = float(np.nanmin(fl)) if n_finite else np.nan
+            rows.append({"variant": variant, "seed": seed, "lr_sensitivity": sens, "best_loss": best, "n_lr": len(g),
                          "n_finite": n_finite})
-    return pd.DataFrame(rows, columns=["variant", "seed", "lr_sensitivity", "n_lr", "n_finite"])
+    return pd.DataFrame(rows, columns=["variant", "seed", "lr_sensitivity", "best_loss", "n_lr", "n_finite"])
 
 
 def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], col: str) -> tuple[np.ndarray, np.ndarray]:
@@ -383,16 +472,46 @@ def _pair(a: pd.DataFrame, b: pd.DataFrame, key: list[str], col: str) -> tuple[n
     return m["a"].to_numpy(float), m["b"].to_numpy(float)
 
 
-def _run_medians(sharp: pd.DataFrame, in_event: int) -> np.ndarray:
-    """Per run, the median ``precond_ratio`` over its measurements with ``in_event``."""
+def _seed_medians(sharp: pd.DataFrame, in_event: int, kind: str | None = None) -> pd.Series:
+    """Per seed, the median ``precond_ratio`` over its measurements with ``in_event``, of the runs
+    of event ``kind`` only when given (an LR spike's in-event set is not pooled with another
+    kind's): one number per independent unit, since a seed's twin and spiked runs share every
+    step before the event."""
     m = sharp[(sharp.in_event == in_event) & np.isfinite(sharp.precond_ratio.to_numpy(float))]
-    return m.groupby("spec_hash").precond_ratio.median().to_numpy(float) if len(m) else np.array([])
+    if kind is not None:
+        m = m[m.event == kind]
+    return m.groupby("seed").precond_ratio.median() if len(m) else pd.Series(dtype=float)
+
+
+def seed_correlations(sweep: pd.DataFrame, variant: str, x: str, y: str) -> pd.Series:
+    """Per seed, Spearman's rho of columns ``x`` and ``y`` over the learning rates of ``variant``'s
+    sweep runs (:func:`lr_sweep_table`), a diverged run's ``final_loss`` read as its ``loss0``;
+    NaN where a seed has fewer than 3 finite pairs or a constant column."""
+    from scipy import stats as sps
+
+    out = {}
+    g = sweep[sweep.variant == variant] if len(sweep) else sweep
+    for seed, runs in (g.groupby("seed") if len(g) else []):
+        vals = {c: runs.final_loss.fillna(runs.loss0).to_numpy(float) if c == "final_loss" else runs[c].to_numpy(float)
+                for c in (x, y)}
+        ok = np.isfinite(vals[x]) & np.isfinite(vals[y])
+        a, b = vals[x][ok], vals[y][ok]
+        out[seed] = float(sps.spearmanr(a, b).statistic) if ok.sum() >= 3 and np.ptp(a) > 0 and np.ptp(b) > 0 \
+            else np.nan
+    return pd.Series(out, dtype=float)
+
+
+def _cite(c: Claim, planned: Planned) -> Claim:
+    """The row with where its smallest effect of interest comes from after its own source."""
+    return replace(c, source=f"{c.source}; smallest effect: {planned.why}")
 
 
 def claims(effects: pd.DataFrame, memory: pd.DataFrame, sweep: pd.DataFrame, sharpness: pd.DataFrame | None = None,
            *, band: float = 0.05, min_ratio: float = 2.0, memory_tolerance: float = 0.5,
            alpha: float = 0.05) -> list[Claim]:
-    """Notebook 02's claims as :class:`stabstudy.analysis.claims.Claim` rows.
+    """Notebook 02's claims as :class:`stabstudy.analysis.claims.Claim` rows, decided at the families
+    and smallest effects of :func:`plan` (``band``, ``min_ratio``, ``memory_tolerance``: its
+    parameters of the same names).
 
     Args:
         effects: :func:`spike_effects` (all spike-grid runs, any noise level); its
@@ -400,88 +519,126 @@ def claims(effects: pd.DataFrame, memory: pd.DataFrame, sweep: pd.DataFrame, sha
         memory: :func:`adam_memory`.
         sweep: :func:`lr_sweep_table`.
         sharpness: :func:`sharpness_table` (None or empty: those rows are not tested).
-        band: the recovery band in nats (:func:`spike_effects`' ``abs_tol``): a spike
-            must exceed it, a recovered run ends within it (equivalence margin).
-        min_ratio: factor by which an outlier batch must inflate the gradient norm and
-            Adam's second moment over the twin.
-        memory_tolerance: relative tolerance of the e-folding time against 1 / (1 - beta2).
 
-    Rules: ``paired_difference`` (perturbed run minus its twin, same seed and batches;
-    log ratios against ``log(min_ratio)``), ``equivalence`` (final validation loss
-    within ``band`` of the twin), ``within_tolerance`` (e-folding times of the runs
-    that observed at least 1 / (1 - beta2) steps), ``correlation`` (Spearman over
-    runs), and, for the variants of the LR sweep, ``paired_difference`` by seed of
-    :func:`seed_sensitivity` and by (lr, seed) of the maximum attention logit.
+    Every test is over seeds. Rules: ``paired_difference`` (perturbed run minus its twin; "at
+    least" claims with the band or the fold as minimum and smallest effect; the damage relative to
+    the twin's final validation loss), ``equivalence`` (final validation loss within the band of the
+    twin), ``within_tolerance`` (e-folding times of the runs that observed at least
+    ``(1 + memory_tolerance) / (1 - beta2)`` steps), ``correlation`` (Spearman over the memory runs);
+    for the LR sweep ``paired_difference`` by seed of :func:`seed_sensitivity` (relative to the
+    baseline's best final loss of the seed), of the mean log ratio of the maximum attention logits
+    and of the per-seed rhos of :func:`seed_correlations`; gradient noise: the largest dose against
+    none, paired by seed; sharpness: one median log ratio per seed (:func:`_seed_medians`).
     """
     from stabstudy.analysis import claims as C
 
+    P = plan(band=band, min_ratio=min_ratio, memory_tolerance=memory_tolerance)
     empty = np.array([])
     rows = []
 
     def col(df: pd.DataFrame, name: str) -> np.ndarray:
         return df[name].to_numpy(float) if len(df) and name in df else empty
 
+    def relative_damage(df: pd.DataFrame) -> pd.DataFrame:
+        return df.assign(damage=df.final_damage / df.twin_final_loss) if len(df) else df.assign(damage=[])
+
     clean = effects[effects.noise == 0] if len(effects) else effects
-    for kind, label in (("lr_spike", "an LR spike"), ("outlier_batch", "an outlier batch")):
+    for kind, key, label in (("lr_spike", "lr_spike", "an LR spike"), ("outlier_batch", "outlier", "an outlier batch")):
         e = clean[clean.event == kind] if len(clean) else clean
         peak, dmg = col(e, "peak_excess_loss"), col(e, "final_damage")
-        rows.append(C.paired_difference(f"{label} causes a loss spike (peak excess loss over the twin above the "
-                                        f"{band:g}-nat band)", "our own", peak, np.full(peak.shape, band),
-                                        direction="greater", alpha=alpha))
-        rows.append(C.equivalence(f"the spike after {label} is transient (final validation loss within "
-                                  f"{band:g} nats of the twin)", "our own", dmg, np.zeros(dmg.shape),
-                                  margin=band, relative=False, paired=True, alpha=alpha))
-        rows.append(C.paired_difference(f"{label} leaves unrecovered damage (final validation loss above the twin)",
-                                        "our own", dmg, np.zeros(dmg.shape), direction="greater", alpha=alpha))
+        rel = col(relative_damage(e), "damage")
+        rows.append(_cite(C.paired_difference(
+            f"{label} causes a loss spike (peak excess loss over the twin above the {band:g}-nat band)", "our own",
+            peak, np.zeros(peak.shape), direction="greater", alpha=alpha, **P[f"{key} peak"].rule), P[f"{key} peak"]))
+        rows.append(_cite(C.equivalence(
+            f"the spike after {label} is transient (final validation loss within {band:g} nats of the twin)",
+            "our own", dmg, np.zeros(dmg.shape), margin=P[f"{key} transient"].sesoi, relative=False, paired=True,
+            family=P[f"{key} transient"].family, alpha=alpha), P[f"{key} transient"]))
+        rows.append(_cite(C.paired_difference(
+            f"{label} leaves unrecovered damage (final validation loss above the twin's, relative to it)", "our own",
+            rel, np.zeros(rel.shape), direction="greater", alpha=alpha, **P[f"{key} damage"].rule),
+            P[f"{key} damage"]))
     e = clean[clean.event == "outlier_batch"] if len(clean) else clean
     with np.errstate(divide="ignore", invalid="ignore"):
-        for name, what in (("grad_norm_ratio", "the gradient norm"), ("adam_v_ratio", "Adam's second moment")):
+        for name, key, what in (("grad_norm_ratio", "grad_norm inflation", "the gradient norm"),
+                                ("adam_v_ratio", "adam_v inflation", "Adam's second moment")):
             r = np.log(col(e, name))
-            rows.append(C.paired_difference(f"an outlier batch inflates {what} at least {min_ratio:g}-fold over the "
-                                            "twin (log ratio)", "our own", r, np.full(r.shape, np.log(min_ratio)),
-                                            direction="greater", alpha=alpha))
+            rows.append(_cite(C.paired_difference(
+                f"an outlier batch inflates {what} at least {min_ratio:g}-fold over the twin (log ratio)", "our own",
+                r, np.zeros(r.shape), direction="greater", alpha=alpha, **P[key].rule), P[key]))
     adam_src = "textbook: Kingma & Ba 2015 (v is an EMA with weight beta2^k)"
     # only runs that saw the whole tolerance band can fail it; one that never e-folded there lies beyond it
     seen = (memory[memory.steps_observed >= (1 + memory_tolerance) * memory.tau_theory] if len(memory)
             else memory)
     t_e = np.where(np.isposinf(col(seen, "t_efold")), col(seen, "steps_observed") + 1, col(seen, "t_efold"))
-    rows.append(C.within_tolerance("inflated Adam second moments persist about 1/(1-beta2) steps (e-folding time)",
-                                   adam_src, t_e, col(seen, "tau_theory"), rel_tol=memory_tolerance, min_n=3))
+    rows.append(_cite(C.within_tolerance(
+        "inflated Adam second moments persist about 1/(1-beta2) steps (e-folding time, every run)", adam_src, t_e,
+        col(seen, "tau_theory"), rel_tol=P["memory efold"].sesoi, min_n=3, family=P["memory efold"].family,
+        labels=[f"beta2 {b:g}, seed {int(s)}" for b, s in zip(col(seen, "beta2"), col(seen, "seed"), strict=True)]),
+        P["memory efold"]))
     # an excess that never decays has the longest decay time: keep it as the top rank
     tau_fit = np.where(np.isposinf(col(memory, "tau_fit")), np.finfo(float).max, col(memory, "tau_fit"))
-    rows.append(C.correlation("their persistence grows with beta2 (fitted decay time vs 1/(1-beta2))", adam_src,
-                              col(memory, "tau_theory"), tau_fit, expect="positive", alpha=alpha))
+    rows.append(_cite(C.correlation(
+        "their persistence grows with beta2 (fitted decay time vs 1/(1-beta2), Spearman over the runs)", adam_src,
+        col(memory, "tau_theory"), tau_fit, expect="positive", alpha=alpha, **P["memory beta2"].rule),
+        P["memory beta2"]))
     wortsman = "source paper: Wortsman et al. 2023"
     sens = seed_sensitivity(sweep)
-    base_s = sens[sens.variant == "baseline"]
-    for v, label in (("qk_layernorm", "qk-layernorm"), ("z_loss", "z-loss")):
-        x, y = _pair(sens[sens.variant == v], base_s, ["seed"], "lr_sensitivity")
-        rows.append(C.paired_difference(f"{label} lowers LR sensitivity (paired by seed)", wortsman, x, y,
-                                        direction="less", alpha=alpha))
+    base_s = sens[sens.variant == "baseline"].set_index("seed")
+    for v, key, label in (("qk_layernorm", "qk sensitivity", "qk-layernorm"), ("z_loss", "z sensitivity", "z-loss")):
+        m = sens[sens.variant == v].set_index("seed")[["lr_sensitivity"]].rename(columns=lambda c: c + "_v").join(
+            base_s[["lr_sensitivity", "best_loss"]], how="outer") if len(sens) else pd.DataFrame(
+            columns=["lr_sensitivity_v", "lr_sensitivity", "best_loss"])
+        scale = m.best_loss.to_numpy(float)
+        rows.append(_cite(C.paired_difference(
+            f"{label} lowers LR sensitivity (paired by seed, relative to the baseline's best final loss)", wortsman,
+            m.lr_sensitivity_v.to_numpy(float) / scale, m.lr_sensitivity.to_numpy(float) / scale, direction="less",
+            alpha=alpha, **P[key].rule), P[key]))
+    r = seed_correlations(sweep, "baseline", "lr", "attn_logit_max").to_numpy(float)
+    rows.append(_cite(C.paired_difference(
+        "attention logits grow with the learning rate without qk-layernorm (Spearman rho over the learning rates, "
+        "one per seed)", wortsman, r, np.zeros(r.shape), direction="greater", alpha=alpha, **P["logit growth"].rule),
+        P["logit growth"]))
     b = sweep[sweep.variant == "baseline"] if len(sweep) else sweep
     q = sweep[sweep.variant == "qk_layernorm"] if len(sweep) else sweep
-    rows.append(C.correlation("attention logits grow with the learning rate without qk-layernorm", wortsman,
-                              col(b, "lr"), col(b, "attn_logit_max"), expect="positive", alpha=alpha))
-    x, y = _pair(q, b, ["lr", "seed"], "attn_logit_max")
-    rows.append(C.paired_difference("qk-layernorm keeps the maximum attention logit below the baseline's (paired by "
-                                    "lr and seed)", wortsman, x, y, direction="less", alpha=alpha))
-    # a diverged run is a failure: its final loss is the loss at initialization
-    fail = b.final_loss.fillna(b.loss0).to_numpy(float) if len(b) else empty
-    rows.append(C.correlation("attention-logit growth accompanies the high-LR failures (worse final loss)", wortsman,
-                              col(b, "attn_logit_max"), fail, expect="positive", alpha=alpha))
-    noisy = effects[effects.event == "lr_spike"] if len(effects) else effects
-    for name, what in (("peak_excess_loss", "peak excess loss"), ("final_damage", "final damage")):
-        rows.append(C.correlation(f"controlled stochasticity (gradient noise) buffers an LR spike: lower {what}",
-                                  "our own", col(noisy, "noise"), col(noisy, name), expect="negative", alpha=alpha))
+    if len(q) and len(b):
+        m = q.set_index(["lr", "seed"]).attn_logit_max.to_frame("q").join(
+            b.set_index(["lr", "seed"]).attn_logit_max.to_frame("b"), how="outer")
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m["log_ratio"] = np.log(m.q.to_numpy(float)) - np.log(m.b.to_numpy(float))
+        m = m[np.isfinite(m.log_ratio)]
+        lq = m.groupby(level="seed").log_ratio.mean().reindex(sorted(set(q.seed) | set(b.seed))).to_numpy(float)
+    else:
+        lq = empty
+    rows.append(_cite(C.paired_difference(
+        "qk-layernorm keeps the maximum attention logit below the baseline's (log ratio, mean over the learning "
+        "rates, one per seed)", wortsman, lq, np.zeros(lq.shape), direction="less", alpha=alpha,
+        **P["qk logit"].rule), P["qk logit"]))
+    r = seed_correlations(sweep, "baseline", "attn_logit_max", "final_loss").to_numpy(float)
+    rows.append(_cite(C.paired_difference(
+        "attention-logit growth accompanies the high-LR failures (Spearman rho of the maximum attention logit and "
+        "the final loss over the learning rates, one per seed)", wortsman, r, np.zeros(r.shape),
+        direction="greater", alpha=alpha, **P["logit failure"].rule), P["logit failure"]))
+    spiked = relative_damage(effects[effects.event == "lr_spike"]) if len(effects) else effects
+    top = float(spiked.noise.max()) if len(spiked) else 0.0
+    none, noisy = (spiked[spiked.noise == 0], spiked[spiked.noise == top]) if top > 0 else (spiked, spiked.iloc[:0])
+    for name, key, what in (("peak_excess_loss", "noise peak", "peak excess loss"),
+                            ("damage", "noise damage", "final damage (relative to the twin's final loss)")):
+        x, y = _pair(noisy, none, ["seed"], name)
+        rows.append(_cite(C.paired_difference(
+            f"controlled stochasticity (gradient noise) buffers an LR spike: lower {what} (the largest noise dose "
+            "against none, paired by seed)", "our own", x, y, direction="less", alpha=alpha, **P[key].rule), P[key]))
     sharp = sharpness if sharpness is not None and len(sharpness) else pd.DataFrame(
-        columns=["spec_hash", "in_event", "precond_ratio"])
+        columns=["spec_hash", "event", "seed", "in_event", "precond_ratio"])
     cohen = "source paper: Cohen et al. 2022"
-    out_ev = np.log(_run_medians(sharp, 0))
-    rows.append(C.paired_difference("outside spikes Adam's preconditioned sharpness stays below its threshold "
-                                    "(2+2 beta1)/((1-beta1) lr) (per-run median, log ratio)", cohen, out_ev,
-                                    np.zeros(out_ev.shape), direction="less", alpha=alpha))
-    in_ev = np.log(_run_medians(sharp, 1))
-    rows.append(C.paired_difference("during an LR spike the preconditioned sharpness exceeds Adam's threshold at the "
-                                    "spiked lr (per-run median, log ratio)", cohen, in_ev, np.zeros(in_ev.shape),
-                                    direction="greater", alpha=alpha))
+    out_ev = np.log(_seed_medians(sharp, 0).to_numpy(float))
+    rows.append(_cite(C.paired_difference(
+        "outside spikes Adam's preconditioned sharpness stays below its threshold (2+2 beta1)/((1-beta1) lr) "
+        "(median log ratio per seed)", cohen, out_ev, np.zeros(out_ev.shape), direction="less", alpha=alpha,
+        **P["eos outside"].rule), P["eos outside"]))
+    in_ev = np.log(_seed_medians(sharp, 1, "lr_spike").to_numpy(float))
+    rows.append(_cite(C.paired_difference(
+        "during an LR spike the preconditioned sharpness exceeds Adam's threshold at the spiked lr (median log "
+        "ratio per seed, LR-spike runs only)", cohen, in_ev, np.zeros(in_ev.shape), direction="greater",
+        alpha=alpha, **P["eos spike"].rule), P["eos spike"]))
     return rows
