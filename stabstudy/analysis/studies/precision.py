@@ -2,13 +2,75 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from stabstudy.instruments.precision import fp16_headroom, logit_fp16_headroom
 
 if TYPE_CHECKING:
     from stabstudy.analysis.claims import Claim
+    from stabstudy.analysis.plan import Planned
+
+
+FAMILIES = {
+    "bf16": "bf16 autocast against float32 (GPT)",
+    "underflow": "fp16 underflow without loss scaling (GPT)",
+    "overflow": "an fp16 overflow without and with GradScaler (GPT)",
+    "range": "bfloat16's range against float16's (GPT)",
+    "pure": "pure low-precision storage (GPT)",
+    "headroom": "fp16 headroom of the attention logits (GPT)",
+}
+"""Notebook 03's questions, one domain each: Holm adjusts within a family only."""
+
+
+def plan(*, equivalence_margin: float = 0.01, loss_frac: float = 0.01, rate_difference: float = 0.5,
+         correlation: float = 0.3, context_fold: float = 1.1) -> dict[str, Planned]:
+    """Notebook 03's analysis plan, from its parameters: each confirmatory claim's family and smallest
+    effect of interest, fixed before the runs.
+
+    The unit of every claim is the seed: the precisions of (A) share a seed's initialisation and
+    batches; the overflow rows of (B) are read at the largest dose, one run per precision and seed
+    (the doses of one seed share every step before the overflow, like forks of one run); the
+    configurations of (C) give one summary per seed (the init scales of a seed are one network,
+    scaled).
+
+    Args:
+        equivalence_margin: "reaches float32" within this fraction of float32's final loss (TOST).
+        loss_frac: the project's margin, a fraction of the final loss (about the seed-to-seed spread).
+        rate_difference: the smallest rate difference credited to "X but not Y": a majority of runs
+            against a minority.
+        correlation: the project's margin for correlations.
+        context_fold: the smallest rise of the step-0 fp16 headroom credited to a longer context.
+    """
+    # here, not at the top: analysis.plan imports pandas, which this module's import keeps out (see below)
+    from stabstudy.analysis.plan import Planned
+
+    F = FAMILIES
+    loss_why = f"the project's margin: {loss_frac:.0%} of the final loss, about the seed-to-seed spread"
+    rate_why = f"the claim's own contrast: a majority of runs against a minority (a rate difference of {rate_difference:g})"
+    rate = Planned(F["overflow"], rate_difference, "rate difference over seeds", rate_why)
+    return {
+        "bf16 equivalence": Planned(F["bf16"], equivalence_margin, "fraction of float32's final loss (TOST margin)",
+                                    f"the project's margin: {equivalence_margin:.0%} of the final loss, about the "
+                                    "seed-to-seed spread"),
+        "underflow": Planned(F["underflow"], loss_frac, "fraction of the GradScaler run's final loss", loss_why),
+        "adam corrupted": rate,
+        "no recovery": rate,
+        "finishes": rate,
+        "skip spares damage": Planned(F["overflow"], loss_frac, "fraction of float32's dose-1 final loss", loss_why),
+        "bf16 range": Planned(F["range"], rate_difference, "rate difference over seeds", rate_why),
+        "lost updates": Planned(F["pure"], correlation, "Spearman rho per run (one per seed)",
+                                f"the project's margin for correlations: rho {correlation:g}"),
+        "pure bf16": Planned(F["pure"], loss_frac, "fraction of bf16 autocast's final loss", loss_why),
+        "pure fp16": Planned(F["pure"], rate_difference, "rate difference over seeds", rate_why),
+        "headroom predicts": Planned(F["headroom"], rate_difference, "divergence-rate difference per seed", rate_why),
+        "context": Planned(F["headroom"], math.log(context_fold), "log ratio per seed",
+                           f"the measurement's precision: the largest logit of one batch moves by about "
+                           f"{context_fold - 1:.0%} from batch to batch"),
+    }
+
 
 # -- grid builders and analyses for notebooks/03_precision_experiments.ipynb ----------------
 # Imported lazily inside the functions where heavy (xarray/pandas/scipy) so that the learner's
@@ -61,20 +123,24 @@ def precision_grid(steps: int, seeds: Sequence[int], precisions: Sequence[str] =
 
 def overflow_grid(steps: int, seeds: Sequence[int], doses: Sequence[float], start: int,
                   precisions: Sequence[str] = ("float32", "bf16_autocast", "fp16_autocast", "fp16_autocast_scaler"),
-                  hp: dict[str, Any] | None = None, eval_every: int = 0) -> list:
+                  hp: dict[str, Any] | None = None, eval_every: int = 0,
+                  twins: Sequence[str] | None = None) -> list:
     """A one-step ``loss_scale`` perturbation of each dose at ``start``, per precision and seed.
 
     Multiplying the loss by a large factor for one step multiplies every gradient by it: in
     float16 the backward pass overflows to inf beyond ~65504, which is exactly the scenario
     "an fp16 overflow reaches Adam" (without a scaler) or "the scaler skips the step" (with
     one). Dose 1.0 is the unperturbed twin (the perturbation is a no-op, its spec differs only
-    by the perturbation record).
+    by the perturbation record); ``twins`` (default: every precision) names the precisions whose
+    dose-1 twin is run: only :func:`excess_final_loss` reads a twin, and a precision that diverges at
+    every perturbed dose has no excess to measure.
     """
     from stabstudy.spec import Perturbation
 
+    twins = precisions if twins is None else twins
     return [_lm_spec(steps, s, p, dict(hp or {}), (Perturbation("loss_scale", start, 1, float(d)),),
                      eval_every=eval_every)
-            for p in precisions for d in doses for s in seeds]
+            for p in precisions for d in doses for s in seeds if d != 1.0 or p in twins]
 
 
 def logit_grid(steps: int, seeds: Sequence[int], init_scales: Sequence[float], block_sizes: Sequence[int],
@@ -432,120 +498,175 @@ def _k_n(values, hit) -> tuple[int, int]:
     return (int(hit(v).astype(bool).sum()), int(v.size)) if v.size else (0, 0)
 
 
-def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.02, alpha: float = 0.05) -> list[Claim]:
-    """Notebook 03's claims as :class:`stabstudy.analysis.claims.Claim` rows.
+def _cite(c: Claim, planned: Planned) -> Claim:
+    """The row with where its smallest effect of interest comes from after its own source."""
+    return replace(c, source=f"{c.source}; smallest effect: {planned.why}")
+
+
+def headroom_by_seed(logit_tab) -> Any:
+    """Per seed of the logit experiment (:func:`logit_table`): ``predicted_rate`` and
+    ``cleared_rate``, the divergence rates of the fp16 runs whose float32 twin's peak headroom is
+    at least 1 and below it (NaN where a seed has none of them), and ``context_log_ratio``, the mean
+    over init scales of the log ratio of the float32 step-0 headroom at the longest block size to the
+    shortest (NaN with one block size)."""
+    import numpy as np
+    import pandas as pd
+
+    cols = ["predicted_rate", "cleared_rate", "context_log_ratio"]
+    if len(logit_tab) == 0:
+        return pd.DataFrame(columns=cols, dtype=float)
+    pred = overflow_prediction(logit_tab).reset_index()
+    pred = pred[pred.headroom_peak_fp32.notna()]  # a NaN headroom predicts nothing
+    div = pred.fp16_diverged.astype(float)
+    out = pd.DataFrame({"predicted_rate": div[pred.predicted_overflow.astype(bool)].groupby(pred.seed).mean(),
+                        "cleared_rate": div[~pred.predicted_overflow.astype(bool)].groupby(pred.seed).mean()})
+    f32 = logit_tab[logit_tab.precision == "float32"]
+    sizes = sorted(set(f32.block_size))
+    if len(sizes) >= 2:
+        key = ["init_scale", "seed"]
+        m = f32[f32.block_size == sizes[-1]].set_index(key).headroom0.to_frame("long").join(
+            f32[f32.block_size == sizes[0]].set_index(key).headroom0.to_frame("short"), how="outer")
+        # headrooms span orders of magnitude over the init scales: their ratio, not their difference
+        with np.errstate(divide="ignore", invalid="ignore"):
+            m["r"] = np.log(m["long"].to_numpy(float)) - np.log(m["short"].to_numpy(float))
+        m = m[np.isfinite(m.r)]
+        out = out.join(m.groupby(level="seed").r.mean().rename("context_log_ratio"), how="outer")
+    return out.reindex(columns=cols)
+
+
+def claims_table(sum_a, sum_b, rho, logit_tab, *, equivalence_margin: float = 0.01,
+                 alpha: float = 0.05) -> list[Claim]:
+    """Notebook 03's claims as :class:`stabstudy.analysis.claims.Claim` rows, decided at the families
+    and smallest effects of :func:`plan` (``equivalence_margin``: its parameter).
 
     Args:
         sum_a: :func:`run_summary` of the precision comparison (A).
         sum_b: :func:`run_summary` of the overflow experiment (B).
         rho: :func:`lost_update_vs_lr` rows (per run; NaN rho is dropped).
         logit_tab: :func:`logit_table` of the logit experiment (C).
-        equivalence_margin: relative final-loss margin of "reaches float32" (TOST).
 
-    Rules: paired by seed (``equivalence``, ``paired_difference``) in (A); in (B) the
-    runs at the same perturbed dose and seed are compared across precisions with
-    ``rate_comparison``. The GradScaler rows compare fp16 autocast *with* GradScaler
-    against fp16 autocast *without* a scaler (the alternative in the grid) at the
-    (dose, seed) cells where the scaler-free run overflowed. The recovery row needs the
-    ``recovered`` column of ``run_summary(..., recovery_window=...)`` in ``sum_b`` (else
-    ``not tested``); a run without a recovery verdict (``unobserved``, ``undefined``) is
-    left out of its group.
+    Every test is over seeds. (A): ``equivalence`` (TOST, relative) and ``paired_difference`` by
+    seed of the relative final-loss gap, ``rate_comparison`` of divergence over seeds. (B), at the
+    largest dose, one run per precision and seed: ``rate_comparison`` of fp16 autocast *with*
+    GradScaler against *without* a scaler (the alternative in the grid) over the seeds whose
+    scaler-free run overflowed, of fp16 against bf16 autocast overflows, and ``paired_difference``
+    of the excess final loss (float32 against the scaler, relative to float32's dose-1 final loss,
+    seeds where the scaler skipped). The recovery row needs the ``recovered`` column of
+    ``run_summary(..., recovery_window=...)`` in ``sum_b`` (else ``not tested``); a run without a
+    recovery verdict (``unobserved``, ``undefined``) is left out of its group. (C):
+    :func:`headroom_by_seed`, ``paired_difference`` by seed.
     """
     import numpy as np
     import pandas as pd
 
     from stabstudy.analysis import claims as C
 
+    P = plan(equivalence_margin=equivalence_margin)
     mp = "source paper: Micikevicius et al. 2018"
     ieee = "textbook: IEEE 754 half (max 65504) and bfloat16 (float32's exponent range)"
     rows = []
+
+    def gap(a: str, b: str):
+        """``a``'s final loss relative to ``b``'s, minus 1, by seed."""
+        x, y = _by_seed(sum_a, a, b)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return x / y - 1.0
+
     x, y = _by_seed(sum_a, "bf16_autocast", "float32")
-    rows.append(C.equivalence(f"bf16 autocast reaches float32's final loss (within {equivalence_margin:g} relative, "
-                              "paired by seed)", mp, x, y, margin=equivalence_margin, relative=True, paired=True,
-                              alpha=alpha))
-    x, y = _by_seed(sum_a, "fp16_autocast", "fp16_autocast_scaler")
-    rows.append(C.paired_difference("fp16 autocast without loss scaling ends worse than with GradScaler (underflow; "
-                                    "paired by seed)", mp, x, y, direction="greater", alpha=alpha))
-    b = sum_b[sum_b.pert_dose != 1.0] if len(sum_b) else sum_b
-    cell = ["pert_dose", "seed"]
-    no_sc = b[b.precision == "fp16_autocast"].set_index(cell) if len(b) else pd.DataFrame()
-    sc = b[b.precision == "fp16_autocast_scaler"].set_index(cell) if len(b) else pd.DataFrame()
+    rows.append(_cite(C.equivalence(
+        f"bf16 autocast reaches float32's final loss (within {equivalence_margin:g} relative, paired by seed)", mp,
+        x, y, margin=P["bf16 equivalence"].sesoi, relative=True, paired=True, family=P["bf16 equivalence"].family,
+        alpha=alpha), P["bf16 equivalence"]))
+    g = gap("fp16_autocast", "fp16_autocast_scaler")
+    rows.append(_cite(C.paired_difference(
+        "fp16 autocast without loss scaling ends worse than with GradScaler (underflow; final loss relative to the "
+        "scaler's, paired by seed)", mp, g, np.zeros(g.shape), direction="greater", alpha=alpha,
+        **P["underflow"].rule), P["underflow"]))
+    top = float(sum_b.pert_dose.max()) if len(sum_b) else float("nan")
+    b = sum_b[(sum_b.pert_dose == top) & (sum_b.pert_dose != 1.0)] if len(sum_b) else sum_b
+    no_sc = b[b.precision == "fp16_autocast"].set_index("seed") if len(b) else pd.DataFrame()
+    sc = b[b.precision == "fp16_autocast_scaler"].set_index("seed") if len(b) else pd.DataFrame()
     over = no_sc.index[no_sc.nonfinite_steps > 0].intersection(sc.index) if len(no_sc) and len(sc) else pd.Index([])
 
     def at(df, column: str):
         return df.loc[over, column] if len(over) else pd.Series(dtype=float)
 
-    rows.append(C.rate_comparison("an fp16 overflow corrupts Adam's state without a scaler but not with GradScaler "
-                                  "(fp16 autocast without vs with a scaler, same dose and seed)", mp,
-                                  *_k_n(at(no_sc, "adam_state_nonfinite_max"), lambda v: v > 0),
-                                  *_k_n(at(sc, "adam_state_nonfinite_max"), lambda v: v > 0),
-                                  direction="greater", alpha=alpha))
+    where = "fp16 autocast without vs with a scaler at the largest dose, over seeds"
+    rows.append(_cite(C.rate_comparison(
+        f"an fp16 overflow corrupts Adam's state without a scaler but not with GradScaler ({where})", mp,
+        *_k_n(at(no_sc, "adam_state_nonfinite_max"), lambda v: v > 0),
+        *_k_n(at(sc, "adam_state_nonfinite_max"), lambda v: v > 0), direction="greater", alpha=alpha,
+        **P["adam corrupted"].rule), P["adam corrupted"]))
     rec_claim = "after an fp16 overflow reaches Adam (no scaler) the run does not recover"
     if "recovered" not in b:
         rows.append(C.not_tested(rec_claim, mp, "no recovery measurement (run_summary without recovery_window)",
-                                 n=len(over)))
+                                 n=len(over), family=P["no recovery"].family, sesoi=P["no recovery"].sesoi))
     else:
         w = sorted({int(v) for v in b.recovery_window.dropna()}) if "recovery_window" in b else []
         within = f"within {w[0]} steps" if len(w) == 1 else "within the window"
-        rows.append(C.rate_comparison(f"{rec_claim}, while the same overflow skipped by GradScaler does (loss back in "
-                                      f"its pre-overflow band {within}; not-recovered rate without vs with a scaler, "
-                                      "same dose and seed)", mp,
-                                      *_k_n(at(no_sc, "recovered"), lambda v: v == 0),
-                                      *_k_n(at(sc, "recovered"), lambda v: v == 0), direction="greater", alpha=alpha))
-    rows.append(C.rate_comparison("with GradScaler the same overflow is skipped and training finishes more often "
-                                  "than without a scaler (fp16 autocast, same dose and seed)", mp,
-                                  *_k_n(at(sc, "status"), lambda v: v == "ok"),
-                                  *_k_n(at(no_sc, "status"), lambda v: v == "ok"), direction="greater", alpha=alpha))
+        rows.append(_cite(C.rate_comparison(
+            f"{rec_claim}, while the same overflow skipped by GradScaler does (loss back in its pre-overflow band "
+            f"{within}; not-recovered rate, {where})", mp, *_k_n(at(no_sc, "recovered"), lambda v: v == 0),
+            *_k_n(at(sc, "recovered"), lambda v: v == 0), direction="greater", alpha=alpha,
+            **P["no recovery"].rule), P["no recovery"]))
+    rows.append(_cite(C.rate_comparison(
+        f"with GradScaler the same overflow is skipped and training finishes more often than without a scaler "
+        f"({where})", mp, *_k_n(at(sc, "status"), lambda v: v == "ok"),
+        *_k_n(at(no_sc, "status"), lambda v: v == "ok"), direction="greater", alpha=alpha, **P["finishes"].rule),
+        P["finishes"]))
+    ex = excess_final_loss(sum_b) if len(sum_b) else pd.DataFrame(columns=["precision", "pert_dose", "seed", "excess"])
+    ex = ex[ex.pert_dose == top] if len(ex) else ex
+    skipped = (b[(b.precision == "fp16_autocast_scaler") & (b.skipped_steps > 0)].seed if len(b) else pd.Series())
+    e32 = ex[ex.precision == "float32"].set_index("seed")["excess"] if len(ex) else pd.Series(dtype=float)
+    esc = ex[ex.precision == "fp16_autocast_scaler"].set_index("seed")["excess"] if len(ex) else pd.Series(dtype=float)
+    twin32 = (sum_b[(sum_b.precision == "float32") & (sum_b.pert_dose == 1.0)].groupby("seed").final_loss.mean()
+              if len(sum_b) else pd.Series(dtype=float))
+    scale = twin32.reindex(skipped).to_numpy(float)
+    rows.append(_cite(C.paired_difference(
+        "skipping the overflowing step (GradScaler) spares the loss damage the same step does in float32 (excess "
+        "final loss over the dose-1 twin at the largest dose, relative to float32's, paired by seed)", mp,
+        e32.reindex(skipped).to_numpy(float) / scale, esc.reindex(skipped).to_numpy(float) / scale,
+        direction="greater", alpha=alpha, **P["skip spares damage"].rule), P["skip spares damage"]))
     bf = b[b.precision == "bf16_autocast"] if len(b) else pd.DataFrame({"nonfinite_steps": []})
     fp = b[b.precision == "fp16_autocast"] if len(b) else pd.DataFrame({"nonfinite_steps": []})
-    rows.append(C.rate_comparison("bfloat16 keeps float32's range: the doses that overflow fp16 autocast overflow "
-                                  "bf16 autocast less often", ieee, *_k_n(fp.nonfinite_steps, lambda v: v > 0),
-                                  *_k_n(bf.nonfinite_steps, lambda v: v > 0), direction="greater", alpha=alpha))
-    ex = excess_final_loss(sum_b) if len(sum_b) else pd.DataFrame(columns=["precision", "pert_dose", "seed", "excess"])
-    skipped = (b[(b.precision == "fp16_autocast_scaler") & (b.skipped_steps > 0)].set_index(cell).index
-               if len(b) else [])
-    e32 = ex[ex.precision == "float32"].set_index(cell)["excess"] if len(ex) else pd.Series(dtype=float)
-    esc = ex[ex.precision == "fp16_autocast_scaler"].set_index(cell)["excess"] if len(ex) else pd.Series(dtype=float)
-    rows.append(C.paired_difference("skipping the overflowing step (GradScaler) spares the loss damage the same step "
-                                    "does in float32 (excess final loss over the dose-1 twin)", mp,
-                                    e32.reindex(skipped).to_numpy(float), esc.reindex(skipped).to_numpy(float),
-                                    direction="greater", alpha=alpha))
+    rows.append(_cite(C.rate_comparison(
+        "bfloat16 keeps float32's range: the dose that overflows fp16 autocast overflows bf16 autocast less often "
+        "(largest dose, over seeds)", ieee, *_k_n(fp.nonfinite_steps, lambda v: v > 0),
+        *_k_n(bf.nonfinite_steps, lambda v: v > 0), direction="greater", alpha=alpha, **P["bf16 range"].rule),
+        P["bf16 range"]))
     rb = rho[(rho.precision == "bf16_pure") & np.isfinite(rho.rho.to_numpy(float))] if len(rho) else rho
     r = rb.rho.to_numpy(float) if len(rb) else np.array([])
-    rows.append(C.paired_difference("pure bf16 storage erases more updates when the lr is small (per-run Spearman "
-                                    "rho(lr, lost-update fraction) below 0)", "our own", r, np.zeros(r.shape),
-                                    direction="less", alpha=alpha))
-    x, y = _by_seed(sum_a, "bf16_pure", "bf16_autocast")
-    rows.append(C.paired_difference("pure bf16 ends worse than bf16 autocast with float32 master weights (paired by "
-                                    "seed)", mp, x, y, direction="greater", alpha=alpha))
+    rows.append(_cite(C.paired_difference(
+        "pure bf16 storage erases more updates when the lr is small (per-run Spearman rho(lr, lost-update "
+        "fraction) below 0, one run per seed)", "our own", r, np.zeros(r.shape), direction="less", alpha=alpha,
+        **P["lost updates"].rule), P["lost updates"]))
+    g = gap("bf16_pure", "bf16_autocast")
+    rows.append(_cite(C.paired_difference(
+        "pure bf16 ends worse than bf16 autocast with float32 master weights (final loss relative to bf16 "
+        "autocast's, paired by seed)", mp, g, np.zeros(g.shape), direction="greater", alpha=alpha,
+        **P["pure bf16"].rule), P["pure bf16"]))
     status = sum_a.set_index("precision").status if len(sum_a) else pd.Series(dtype=object)
-    rows.append(C.rate_comparison("pure fp16 Adam (eps=1e-8 rounds to 0 in float16) diverges where float32 does not",
-                                  ieee, *_k_n(status[status.index == "fp16_pure"], lambda v: v != "ok"),
-                                  *_k_n(status[status.index == "float32"], lambda v: v != "ok"),
-                                  direction="greater", alpha=alpha))
-    pred = overflow_prediction(logit_tab) if len(logit_tab) else pd.DataFrame(
-        columns=["predicted_overflow", "fp16_diverged"])
-    # a NaN headroom predicts nothing: such configurations are in neither group
-    known = pred[pred.headroom_peak_fp32.notna()] if "headroom_peak_fp32" in pred else pred.iloc[:0]
-    hit, miss = known[known.predicted_overflow.astype(bool)], known[~known.predicted_overflow.astype(bool)]
-    diverged = lambda v: v.astype(bool)  # noqa: E731
-    rows.append(C.rate_comparison("the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow "
-                                  "(divergence rate, predicted vs not)", ieee, *_k_n(hit.fp16_diverged, diverged),
-                                  *_k_n(miss.fp16_diverged, diverged), direction="greater", alpha=alpha))
+    rows.append(_cite(C.rate_comparison(
+        "pure fp16 Adam (eps=1e-8 rounds to 0 in float16) diverges where float32 does not (over seeds)", ieee,
+        *_k_n(status[status.index == "fp16_pure"], lambda v: v != "ok"),
+        *_k_n(status[status.index == "float32"], lambda v: v != "ok"), direction="greater", alpha=alpha,
+        **P["pure fp16"].rule), P["pure fp16"]))
+    hs = headroom_by_seed(logit_tab)
+    rows.append(_cite(C.paired_difference(
+        "the float32 twin's fp16 headroom (>= 1) predicts which fp16 runs overflow (divergence rate of the runs it "
+        "flags minus the runs it clears, per seed)", ieee, hs.predicted_rate.to_numpy(float),
+        hs.cleared_rate.to_numpy(float), direction="greater", alpha=alpha, **P["headroom predicts"].rule),
+        P["headroom predicts"]))
     f32c = logit_tab[logit_tab.precision == "float32"] if len(logit_tab) else logit_tab
     sizes = sorted(set(f32c.block_size)) if len(f32c) else []
+    context = "a longer context moves the logits closer to the fp16 limit"
     if len(sizes) < 2:
-        rows.append(C.not_tested("a longer context moves the logits closer to the fp16 limit", "our own",
-                                 f"{len(sizes)} block size(s) in the grid; the claim needs two"))
+        rows.append(C.not_tested(context, "our own", f"{len(sizes)} block size(s) in the grid; the claim needs two",
+                                 family=P["context"].family, sesoi=P["context"].sesoi))
     else:
-        key = ["init_scale", "seed"]
-        long_ = f32c[f32c.block_size == sizes[-1]].set_index(key).headroom0
-        short = f32c[f32c.block_size == sizes[0]].set_index(key).headroom0
-        m = long_.to_frame("long").join(short.to_frame("short"), how="outer")
-        # headrooms span orders of magnitude over the init scales: their ratio, not their difference
-        with np.errstate(divide="ignore", invalid="ignore"):
-            lr_ = np.log(m["long"].to_numpy(float)) - np.log(m["short"].to_numpy(float))
-        rows.append(C.paired_difference(f"a longer context ({sizes[-1]} vs {sizes[0]}) moves the logits closer to "
-                                        "the fp16 limit (step-0 headroom, log ratio paired by init scale and seed)",
-                                        "our own", lr_, np.zeros(lr_.shape), direction="greater", alpha=alpha))
+        lr_ = hs.context_log_ratio.to_numpy(float)
+        rows.append(_cite(C.paired_difference(
+            f"{context} ({sizes[-1]} vs {sizes[0]}; step-0 headroom, log ratio, mean over the init scales, one per "
+            "seed)", "our own", lr_, np.zeros(lr_.shape), direction="greater", alpha=alpha, **P["context"].rule),
+            P["context"]))
     return rows
