@@ -15,13 +15,17 @@ and :mod:`stabstudy.learners.seq`). The closed forms:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+from scipy import stats as sps
 
 from stabstudy.analysis import claims as C
+from stabstudy.analysis.plan import Planned
+from stabstudy.hparams import field_docs
 from stabstudy.spec import RunSpec
 
 # -- grids -------------------------------------------------------------------------------
@@ -53,6 +57,15 @@ def gpt_depth_grid(depths: Sequence[int], seeds: Sequence[int], *, warmups: Sequ
     return [RunSpec("lm", "gpt", "stdlib", int(steps), int(seed), log_every=int(log_every),
                     hparams={**hp, "n_layer": int(n), "post_ln": bool(pl), "warmup": int(w)})
             for n in depths for pl in post_ln for w in warmups for seed in seeds]
+
+
+def gpt_claim_grid(depth: int, seeds: Sequence[int], *, warmup: int, steps: int, log_every: int = 1,
+                   **hp: Any) -> list[RunSpec]:
+    """The arms the GPT claims compare, at ``depth`` blocks: post-LN without and with ``warmup``,
+    pre-LN without (the seed is the unit: one run per arm and seed)."""
+    kw = dict(steps=steps, log_every=log_every, **hp)
+    return (gpt_depth_grid([depth], seeds, warmups=[0, warmup], post_ln=(True,), **kw)
+            + gpt_depth_grid([depth], seeds, warmups=[0], post_ln=(False,), **kw))
 
 
 # -- slopes and closed forms --------------------------------------------------------------
@@ -121,25 +134,6 @@ def slope_table(slopes: xr.DataArray, predicted: xr.DataArray | None = None) -> 
     return pd.DataFrame(rows)
 
 
-def closed_form_claims(slopes: xr.DataArray, what: str, source: str, *, rel_tol: float = 0.05,
-                       flat_margin: float = 0.005) -> list[C.Claim]:
-    """One claim per sigma that the slopes (dims ``sigma``, ``seed``) equal ``log sigma``:
-    :func:`~stabstudy.analysis.claims.within_tolerance` at ``rel_tol`` where ``log sigma != 0``; at
-    sigma = 1, where a relative error is undefined, a TOST :func:`~stabstudy.analysis.claims.equivalence`
-    of the slopes with 0 within ``+-flat_margin`` (per layer or step)."""
-    out = []
-    for s in slopes.sigma.values:
-        v = slopes.sel(sigma=s).values.ravel()
-        target = float(np.log(s))
-        if target != 0:
-            out.append(C.within_tolerance(f"{what}: slope = log sigma at sigma = {s:g}", source, v, target,
-                                          rel_tol=rel_tol))
-        else:
-            out.append(C.equivalence(f"{what}: flat profile (slope 0) at sigma = 1", source, v, np.zeros_like(v),
-                                     margin=flat_margin, relative=False, paired=True))
-    return out
-
-
 # -- training runs -------------------------------------------------------------------------
 
 
@@ -205,17 +199,18 @@ def gpt_runs_table(runs: xr.Dataset, tail: float = 0.1) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def rate_table(per_run: pd.DataFrame, by: Sequence[str], loss: str) -> pd.DataFrame:
-    """Divergence per group of ``per_run`` (a table of :func:`seq_runs_table` or :func:`gpt_runs_table`):
-    runs, diverged, rate with its Clopper-Pearson 95% interval, and the median and range of ``loss``
-    over the runs that did not diverge."""
+def rate_table(per_run: pd.DataFrame, by: Sequence[str], loss: str, outcome: str = "diverged") -> pd.DataFrame:
+    """The rate of ``outcome`` (a boolean column: ``diverged``, or ``failed`` of :func:`mark_failed`)
+    per group of ``per_run`` (a table of :func:`seq_runs_table` or :func:`gpt_runs_table`): runs,
+    the count (column named ``outcome``), rate with its Clopper-Pearson 95% interval, and the median
+    and range of ``loss`` over the runs that did not diverge."""
     rows = []
     for key, g in per_run.groupby(list(by), sort=True):
         key = key if isinstance(key, tuple) else (key,)
-        k, n = int(g.diverged.sum()), int(len(g))
+        k, n = int(g[outcome].sum()), int(len(g))
         lo, hi = C.rate_ci(k, n)
         vals = g[loss].dropna()
-        rows.append({**dict(zip(by, key, strict=True)), "runs": n, "diverged": k, "rate": k / n if n else np.nan,
+        rows.append({**dict(zip(by, key, strict=True)), "runs": n, outcome: k, "rate": k / n if n else np.nan,
                      "rate_ci_low": lo, "rate_ci_high": hi, f"median_{loss}": float(vals.median()) if len(vals) else np.nan,
                      f"min_{loss}": float(vals.min()) if len(vals) else np.nan,
                      f"max_{loss}": float(vals.max()) if len(vals) else np.nan})
@@ -237,50 +232,234 @@ def block_profile_table(block_norms: xr.DataArray) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy (nats) of the byte frequencies of ``tokens``: the loss of a model that knows only
+    how often each byte occurs, the plateau a language model must get below to have learned anything else."""
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64).ravel())
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _outcome(diverged: pd.Series, value: pd.Series, if_diverged: float, ok: pd.Series) -> pd.Series:
+    """1.0 / 0.0 where ``ok`` (boolean Series), ``if_diverged`` for a diverged run, NaN where a run
+    that did not diverge has no ``value`` (no verdict)."""
+    out = ok.astype(float).where(value.notna(), np.nan)
+    return out.where(~diverged.astype(bool), if_diverged)
+
+
+def mark_failed(per_run: pd.DataFrame, loss: str, threshold: float) -> pd.DataFrame:
+    """``per_run`` with a column ``failed`` (1.0 or 0.0; NaN without a ``loss``): the run diverged,
+    or its ``loss`` is not below ``threshold``."""
+    return per_run.assign(failed=_outcome(per_run.diverged, per_run[loss], 1.0, per_run[loss] >= threshold))
+
+
+def mark_solved(per_run: pd.DataFrame, loss: str, threshold: float) -> pd.DataFrame:
+    """``per_run`` with a column ``solved`` (1.0 or 0.0; NaN without a ``loss``): the run did not
+    diverge and its ``loss`` is below ``threshold``."""
+    return per_run.assign(solved=_outcome(per_run.diverged, per_run[loss], 0.0, per_run[loss] < threshold))
+
+
+# -- the analysis plan -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Notebook 06's analysis plan, fixed before the runs: each confirmatory claim's smallest effect
+    of interest, in the claim's own units, and its family (one question in one domain; Holm adjusts
+    within a family only). Each field's doc says what it is and where its number comes from."""
+
+    rel_tol: float = 0.05
+    """closed forms, every sigma and draw (universal): relative tolerance of a slope against its target; the accuracy the mean-field recursion claims at width 128 (finite-width corrections of order 1/width)"""
+    abs_tol: float = 0.005
+    """closed forms: the tolerance's floor near a zero target (log units per layer or step), the project's flat-profile margin: a gradient that changes less than exp(0.005 x 64) = 1.38-fold over 64 layers is flat"""
+    flatten: float = 0.005
+    """pre-LN residual blocks flatten the depth profile: smallest drop of |slope| below the plain linear network's (log units per layer, per network over the sigmas that are not 1), the same flat-profile margin"""
+    rate: float = 0.5
+    """'clipping prevents divergence', 'lets the LSTM solve the task', 'post-LN fails without warmup / where pre-LN trains': smallest difference of two rates, the claims' own words (a remedy that prevents, or a design that fails, changes the outcome of at least half the runs)"""
+    loss: float = 0.03
+    """'post-LN ends at a higher training loss': smallest paired difference (nats), the project's 1% of the final loss (about 3 nats here; about the seed-to-seed spread)"""
+    fail_margin: float = 0.1
+    """a GPT run fails to train when it diverges or ends less than this many nats below the unigram entropy of its corpus (the loss of byte frequencies alone): the plateau where the pilot's post-LN runs stalled, at every learning rate, spans about this much around that entropy (the seed-to-seed spread of a final training loss at this batch size; pilot in the CHANGELOG)"""
+    solved_frac: float = 0.1
+    """an adding-problem run solves the task when its final test MSE is below this fraction of the constant predictor's (1/6): it explains 90% of what the constant leaves (Hochreiter & Schmidhuber 1997; Le et al. 2015 read the task against that baseline)"""
+    growth: float = 0.3
+    """post-LN's gradients grow toward the output: smallest mean over networks of Spearman's rho of block index with the block's gradient norm at init, the project's margin for correlations"""
+    alpha: float = 0.05
+    """family-wise error of each of a rule's two one-sided tests (Holm within the family)"""
+    depth_family: str = "closed forms through depth (networks at init)"
+    """the linear network against sigma^(L-l), the tanh network against the mean field and against log sigma"""
+    time_family: str = "closed forms through time (linear RNN at init)"
+    """the linear RNN against sigma^k"""
+    flatten_family: str = "residual blocks and the depth profile (linear networks at init)"
+    """pre-LN residual blocks against the plain network"""
+    clip_family: str = "clipping and divergence (adding problem, SGD)"
+    """one row per recurrent learner"""
+    adam_family: str = "clipping and learning (adding problem, Adam)"
+    """the Adam arm"""
+    warmup_family: str = "post-LN and warmup (GPT at depth)"
+    """post-LN without warmup against with it: failure rate and final loss"""
+    placement_family: str = "post-LN against pre-LN (GPT at depth, no warmup)"
+    """failure rate and final loss"""
+    growth_family: str = "post-LN gradients at init (GPT)"
+    """one row per initialisation"""
+
+    def planned(self) -> dict[str, Planned]:
+        """Each confirmatory question's family and smallest effect of interest, with where it comes
+        from (the field docs), for :func:`stabstudy.analysis.plan.frame`."""
+        why = field_docs(type(self))
+        tol = f"{why['rel_tol']}; {why['abs_tol']}"
+        return {
+            "linear network and tanh network (closed forms)": Planned(self.depth_family, self.rel_tol,
+                                                                      "relative error, every case", tol),
+            "linear RNN (closed form)": Planned(self.time_family, self.rel_tol, "relative error, every case", tol),
+            "pre-LN residual blocks flatten": Planned(self.flatten_family, self.flatten, "log units per layer",
+                                                      why["flatten"]),
+            "clipping prevents divergence (SGD)": Planned(self.clip_family, self.rate, "rate difference", why["rate"]),
+            "clipping lets the LSTM solve the task (Adam)": Planned(self.adam_family, self.rate, "rate difference",
+                                                                    f"{why['rate']}; {why['solved_frac']}"),
+            "post-LN fails more often without warmup": Planned(self.warmup_family, self.rate, "rate difference",
+                                                               f"{why['rate']}; {why['fail_margin']}"),
+            "post-LN ends higher without warmup": Planned(self.warmup_family, self.loss, "nats", why["loss"]),
+            "post-LN fails more often than pre-LN": Planned(self.placement_family, self.rate, "rate difference",
+                                                            f"{why['rate']}; {why['fail_margin']}"),
+            "post-LN ends higher than pre-LN": Planned(self.placement_family, self.loss, "nats", why["loss"]),
+            "post-LN gradients grow toward the output": Planned(self.growth_family, self.growth,
+                                                                "Spearman's rho, mean over networks", why["growth"]),
+        }
+
+
 # -- claims ------------------------------------------------------------------------------
 
 
+def closed_form_claim(slopes: xr.DataArray, claim: str, source: str, plan: Plan, family: str,
+                      target: xr.DataArray | None = None) -> C.Claim:
+    """Universal: every slope of ``slopes`` (dims ``sigma``, ``seed``) lies within the plan's
+    tolerance (relative, with its absolute floor) of its target, ``log sigma`` or ``target`` (dim
+    ``sigma``); a failing case is named by its sigma and seed."""
+    s = slopes.transpose("sigma", "seed")
+    tgt = np.log(s.sigma.values) if target is None else target.sel(sigma=s.sigma).values
+    labels = [f"sigma={sg:g} seed {sd}" for sg in s.sigma.values for sd in s.seed.values]
+    return C.within_tolerance(claim, source, s.values.ravel(), np.repeat(np.asarray(tgt, dtype=float), s.sizes["seed"]),
+                              rel_tol=plan.rel_tol, abs_tol=plan.abs_tol, labels=labels, family=family)
+
+
+def flatten_claim(variant: xr.DataArray, plain: xr.DataArray, claim: str, source: str, plan: Plan) -> C.Claim:
+    """The slopes of ``variant`` against those of ``plain`` (dims ``sigma``, ``seed``): per network
+    (seed) the mean ``|slope|`` over the sigmas that are not 1 (where the plain network's profile
+    explodes or vanishes), then a paired t-test over networks that ``variant``'s is lower by more
+    than nothing, not supported when every drop of the plan's ``flatten`` is excluded."""
+    away = variant.sigma.values != 1.0
+    v = np.abs(variant.isel(sigma=away)).mean("sigma").transpose("seed")
+    p = np.abs(plain.isel(sigma=away)).mean("sigma").sel(seed=v.seed)
+    return C.paired_difference(claim, source, v.values, p.values, direction="less", sesoi=plan.flatten,
+                               family=plan.flatten_family, alpha=plan.alpha)
+
+
+def _pick(df: pd.DataFrame, sel: Mapping[str, Any]) -> pd.DataFrame:
+    mask = np.ones(len(df), dtype=bool)
+    for col, val in sel.items():
+        mask &= (df[col] == val).to_numpy()
+    return df[mask]
+
+
 def rate_claim(per_run: pd.DataFrame, claim: str, source: str, treated: Mapping[str, Any],
-               control: Mapping[str, Any], *, where: Any = None) -> C.Claim:
-    """:func:`~stabstudy.analysis.claims.rate_comparison` of divergence between the runs of
-    ``per_run`` matching ``treated`` and those matching ``control`` (column -> value), among the
-    rows selected by the boolean Series ``where`` (all when None): treated diverges more often."""
+               control: Mapping[str, Any], *, sesoi: float, family: str, outcome: str = "diverged",
+               direction: C.Direction = "greater", where: Any = None, alpha: float = 0.05) -> C.Claim:
+    """:func:`~stabstudy.analysis.claims.rate_comparison` of the binary ``outcome`` between the runs
+    of ``per_run`` matching ``treated`` and those matching ``control`` (column -> value), among the
+    rows selected by the boolean Series ``where`` (all when None): one run per seed and arm, the seed
+    the unit."""
     df = per_run if where is None else per_run[where]
-
-    def pick(sel: Mapping[str, Any]) -> pd.DataFrame:
-        mask = np.ones(len(df), dtype=bool)
-        for col, val in sel.items():
-            mask &= (df[col] == val).to_numpy()
-        return df[mask]
-
-    t, c = pick(treated), pick(control)
-    return C.rate_comparison(claim, source, int(t.diverged.sum()), len(t), int(c.diverged.sum()), len(c),
-                             direction="greater")
+    df = df[df[outcome].notna()]  # a run without a verdict on the outcome is no unit
+    t, c = _pick(df, treated), _pick(df, control)
+    return C.rate_comparison(claim, source, int(t[outcome].astype(float).sum()), len(t),
+                             int(c[outcome].astype(float).sum()), len(c),
+                             direction=direction, sesoi=sesoi, family=family, alpha=alpha)
 
 
 def paired_loss_claim(per_run: pd.DataFrame, claim: str, source: str, loss: str, treated: Mapping[str, Any],
-                      control: Mapping[str, Any], on: Sequence[str], *, direction: C.Direction,
-                      where: Any = None) -> C.Claim:
+                      control: Mapping[str, Any], on: Sequence[str], *, direction: C.Direction, sesoi: float,
+                      family: str, where: Any = None, alpha: float = 0.05) -> C.Claim:
     """:func:`~stabstudy.analysis.claims.paired_difference` of ``loss`` (treated - control) over runs
-    paired by the columns ``on`` (e.g. seed and depth); a pair with a diverged member drops out."""
+    paired by the columns ``on`` (the seed: the unit); a pair with a diverged member drops out."""
     df = per_run if where is None else per_run[where]
-
-    def pick(sel: Mapping[str, Any]) -> pd.DataFrame:
-        mask = np.ones(len(df), dtype=bool)
-        for col, val in sel.items():
-            mask &= (df[col] == val).to_numpy()
-        return df[mask].set_index(list(on))[loss]
-
-    both = pd.concat([pick(treated).rename("t"), pick(control).rename("c")], axis=1, join="inner")
-    return C.paired_difference(claim, source, both.t.to_numpy(), both.c.to_numpy(), direction=direction)
+    both = pd.concat([_pick(df, treated).set_index(list(on))[loss].rename("t"),
+                      _pick(df, control).set_index(list(on))[loss].rename("c")], axis=1, join="inner")
+    return C.paired_difference(claim, source, both.t.to_numpy(), both.c.to_numpy(), direction=direction,
+                               sesoi=sesoi, family=family, alpha=alpha)
 
 
-def block_growth_claim(block_norms: xr.DataArray, post_ln: bool, claim: str, source: str,
-                       expect: str = "positive") -> C.Claim:
-    """:func:`~stabstudy.analysis.claims.correlation` (Spearman) of block index with the block's
-    gradient norm at init, at the largest depth of ``block_norms`` for the given LayerNorm placement,
-    every seed pooled."""
+def growth_rho(block_norms: xr.DataArray, post_ln: bool) -> xr.DataArray:
+    """Per network (seed), Spearman's rho of block index with the block's gradient norm at init, at
+    the largest depth of ``block_norms`` for the given LayerNorm placement (dim ``seed``)."""
     n = int(block_norms.n_layer.max())
-    one = block_norms.sel(post_ln=post_ln, n_layer=n).isel(block=slice(0, n))
-    x = np.broadcast_to(one.block.values, one.shape)
-    return C.correlation(claim, source, x.ravel(), one.values.ravel(), expect=expect)
+    one = block_norms.sel(post_ln=post_ln, n_layer=n).isel(block=slice(0, n)).transpose("seed", "block")
+    rho = [float(sps.spearmanr(np.arange(n), row).statistic) if np.isfinite(row).all() else np.nan
+           for row in one.values]
+    return xr.DataArray(rho, dims=("seed",), coords={"seed": one.seed.values}, name="rho")
+
+
+def growth_claim(block_norms: xr.DataArray, post_ln: bool, claim: str, source: str, plan: Plan) -> C.Claim:
+    """The block gradient norms at init grow toward the output: :func:`growth_rho` per network, then
+    a one-sample t-test over networks that their mean lies above 0, not supported when every mean
+    rho of the plan's ``growth`` or more is excluded."""
+    rho = growth_rho(block_norms, post_ln).values
+    return C.paired_difference(claim, source, rho, np.zeros_like(rho), direction="greater", sesoi=plan.growth,
+                               family=plan.growth_family, alpha=plan.alpha)
+
+
+def claims_table(plan: Plan, *, slopes: xr.DataArray, time_slopes: xr.DataArray, mean_field: xr.DataArray,
+                 sgd_runs: pd.DataFrame, adam_runs: pd.DataFrame, gpt_runs: pd.DataFrame,
+                 grad_norms: Mapping[str, xr.DataArray], seq_clip: float, claim_depth: int, gpt_warmup: int,
+                 fail_below: float) -> list[C.Claim]:
+    """Notebook 06's claims from its measurements: ``slopes`` (dims ``activation``, ``variant``,
+    ``sigma``, ``seed``) and ``time_slopes`` (``kind``, ``sigma``, ``seed``) of :func:`log_slope`,
+    the tanh network's ``mean_field`` slopes (:func:`mean_field_slopes`), the adding-problem runs
+    (:func:`seq_runs_table`, SGD and Adam), the GPT runs (:func:`gpt_runs_table`) of which those of
+    ``claim_depth`` blocks decide (a run fails when it diverged or its final loss is not below
+    ``fail_below``: :func:`mark_failed`), and the per-block gradient norms at init per
+    initialisation (``grad_norms``)."""
+    lin = slopes.sel(activation="linear", variant="plain")
+    tanh = slopes.sel(activation="tanh", variant="plain")
+    rows = [closed_form_claim(lin, "deep linear network: slope = log sigma at every sigma and draw",
+                              "textbook (Saxe et al. 2014)", plan, plan.depth_family),
+            closed_form_claim(time_slopes.sel(kind="rnn_linear"), "linear RNN through time: slope = log sigma at every "
+                              "sigma and draw", "textbook (Bengio et al. 1994; Pascanu et al. 2013)", plan, plan.time_family),
+            closed_form_claim(tanh, "tanh network: slope = the mean-field prediction at every sigma and draw",
+                              "source paper (Schoenholz et al. 2017)", plan, plan.depth_family, target=mean_field),
+            closed_form_claim(tanh, "tanh network: slope = log sigma (the linear closed form) at every sigma and draw",
+                              "our own", plan, plan.depth_family)]
+    if "preln_residual" in slopes.variant.values:
+        rows.append(flatten_claim(slopes.sel(activation="linear", variant="preln_residual"), lin,
+                                  "pre-LN residual blocks flatten the depth profile where the plain linear network's "
+                                  "explodes or vanishes (|slope| per network, sigma != 1)", "our own", plan))
+    for learner, lr in dict.fromkeys(zip(sgd_runs.learner, sgd_runs.lr, strict=True)):
+        rows.append(rate_claim(sgd_runs, f"clipping prevents divergence ({learner}, SGD lr {lr:g})",
+                               "source paper (Pascanu et al. 2013)", {"learner": learner, "grad_clip": 0.0},
+                               {"learner": learner, "grad_clip": seq_clip}, sesoi=plan.rate, family=plan.clip_family,
+                               alpha=plan.alpha))
+    solved = mark_solved(adam_runs, "final_test_loss", plan.solved_frac / 6)
+    for learner, lr in dict.fromkeys(zip(adam_runs.learner, adam_runs.lr, strict=True)):
+        rows.append(rate_claim(solved, f"clipping lets the {learner} solve the adding problem more often (Adam lr "
+                               f"{lr:g})", "our own",
+                               {"learner": learner, "grad_clip": seq_clip}, {"learner": learner, "grad_clip": 0.0},
+                               outcome="solved", sesoi=plan.rate, family=plan.adam_family, alpha=plan.alpha))
+    gpt = mark_failed(gpt_runs[gpt_runs.n_layer == claim_depth], "final_loss", fail_below)
+    nowarm, warm, pre = ({"post_ln": True, "warmup": 0}, {"post_ln": True, "warmup": gpt_warmup},
+                         {"post_ln": False, "warmup": 0})
+    xiong = "source paper (Xiong et al. 2020)"
+    at = f"{claim_depth} blocks"
+    rows += [rate_claim(gpt, f"post-LN fails to train more often without warmup than with it ({at})", xiong, nowarm,
+                        warm, outcome="failed", sesoi=plan.rate, family=plan.warmup_family, alpha=plan.alpha),
+             paired_loss_claim(gpt, f"post-LN ends at a higher training loss without warmup than with it ({at}, paired "
+                               "by seed)", xiong, "final_loss", nowarm, warm, ["seed"], direction="greater",
+                               sesoi=plan.loss, family=plan.warmup_family, alpha=plan.alpha),
+             rate_claim(gpt, f"without warmup, post-LN fails to train more often than pre-LN ({at})", xiong, nowarm, pre,
+                        outcome="failed", sesoi=plan.rate, family=plan.placement_family, alpha=plan.alpha),
+             paired_loss_claim(gpt, f"without warmup, post-LN ends at a higher training loss than pre-LN ({at}, paired "
+                               "by seed)", xiong, "final_loss", nowarm, pre, ["seed"], direction="greater",
+                               sesoi=plan.loss, family=plan.placement_family, alpha=plan.alpha)]
+    for name, g in grad_norms.items():
+        rows.append(growth_claim(g, True, f"post-LN: gradient norms at init grow toward the output ({name} init, "
+                                 f"{int(g.n_layer.max())} blocks, rho per network)", xiong, plan))
+    return rows
