@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from stabstudy.analysis import claims as C
-from stabstudy.analysis.studies import calibration, lm_spikes, precision, rl_comparison
+from stabstudy.analysis.studies import calibration, closed_loop, lm_spikes, precision, rl_comparison
 
 MISSING = {"not tested", "inconclusive"}
 
@@ -523,3 +523,76 @@ def test_analysis_plan_declares_every_confirmatory_claim_before_the_runs(module)
     # a universal claim has its tolerance, not a smallest effect; a relative TOST margin is printed in nats
     used = df[~df.test.str.contains("relative")].sesoi.abs().dropna().round(9)
     assert set(used) <= {round(p.sesoi, 9) for p in module.plan().values()}
+
+
+# -- notebook 05 (GPT and toy domains) ---------------------------------------------------------
+
+COMPARATORS = ("clip1", "olmo")
+
+
+def _loop(effect: bool, n: int = 16, domain: str = "toy", seed0: int = 0) -> pd.DataFrame:
+    """One domain's runs, as closed_loop.outcomes gives them: per seed the unperturbed and two
+    perturbed runs without a controller, with z_rollback and with each comparator. ``effect``: the
+    controller spares every collapse, cuts the damage, stays quiet and leaves the final loss alone,
+    and the comparators do far worse; else it changes nothing (same collapses, same damage as the
+    comparators), intervenes 5 times per 1,000 steps and ends 5% higher when nothing is wrong."""
+    rng = np.random.default_rng(seed0 + (0 if effect else 1))
+    rows = []
+    for s in range(seed0, seed0 + n):
+        base = 0.8 + 0.05 * rng.standard_normal()
+        for ctrl in ("none", "z_rollback", *COMPARATORS):
+            for event in ("none", "lr_spike x100/5", "outlier_batch x1/5"):
+                hit = event != "none"
+                cut = ctrl == "z_rollback" and effect
+                damage = (0.02 if cut else base + (0.0 if ctrl == "none" or not effect else -0.2)) if hit else 0.0
+                damage += 0.01 * rng.standard_normal() if hit else 0.0
+                quiet = ctrl != "z_rollback" or effect
+                rows.append({"domain": domain, "seed": s, "prefix": "", "event": event, "controller": ctrl,
+                             "damage": damage, "collapse": float(hit and not cut),
+                             "interventions": int(rng.integers(0, 2)) if quiet else int(rng.integers(4, 7)),
+                             "n_steps": 1000, "final": 2.0 if quiet else 2.1 + 0.001 * rng.standard_normal()})
+    return pd.DataFrame(rows)
+
+
+def _loop_verdicts(out: pd.DataFrame) -> dict[str, str]:
+    rows = closed_loop.claims(out, primary="z_rollback", evaluation_seeds=sorted(out.seed.unique()),
+                              plan=closed_loop.Plan(), comparators=COMPARATORS)
+    assert all(r.family and r.confirmatory for r in rows)
+    return verdicts(rows)
+
+
+def test_closed_loop_every_gpt_and_toy_claim_can_be_supported():
+    for domain in ("lm", "toy"):
+        v = _loop_verdicts(_loop(True, domain=domain))
+        assert len(v) == 6 and set(v.values()) == {"supported"}, v
+
+
+def test_closed_loop_every_claim_is_not_supported_when_the_effect_is_absent():
+    """No effect at all, with the quick profile's units: every row decides, the 'beats' rows too."""
+    for domain in ("lm", "toy"):
+        v = _loop_verdicts(_loop(False, domain=domain))
+        assert len(v) == 6 and set(v.values()) == {"not supported"}, v
+
+
+def test_closed_loop_missing_data_gives_no_verdict():
+    out = _loop(True)
+    out[["damage", "collapse", "final"]] = np.nan
+    out = out[~((out.event == "none") & (out.controller == "z_rollback"))]  # no unperturbed controlled run
+    v = _loop_verdicts(out)
+    assert set(v.values()) <= MISSING, v
+    assert set(_loop_verdicts(_loop(True, n=2)).values()) <= MISSING  # two units are too few for any rule
+
+
+def test_closed_loop_false_interventions_are_a_rate_per_run():
+    out = _loop(True, n=5)
+    sel = [r for r in closed_loop.claims(out, primary="z_rollback", evaluation_seeds=list(range(5)),
+                                         plan=closed_loop.Plan(), comparators=()) if "selective" in r.claim]
+    assert len(sel) == 1 and sel[0].n == 5  # runs, not 5,000 steps
+
+
+def test_closed_loop_domains_never_pool_and_never_change_each_others_verdicts():
+    lm, toy = _loop(True, domain="lm"), _loop(False, domain="toy", seed0=100)
+    alone = _loop_verdicts(lm)
+    both = _loop_verdicts(pd.concat([lm, toy]))
+    assert {k: v for k, v in both.items() if k.startswith("lm:")} == alone
+    assert len(both) == 12 and {v for k, v in both.items() if k.startswith("toy:")} == {"not supported"}

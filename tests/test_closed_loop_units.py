@@ -29,10 +29,11 @@ def _out(damage_with, damage_without, collapse_with=None, collapse_without=None,
     return pd.DataFrame(rows)
 
 
-def _claims(out):
-    cl = study.claims(out, primary="z_skip", evaluation_seeds=sorted(out.seed.unique()), budget=2.0, margin=0.05,
-                      comparators=[])
-    return {c.claim.split(" (")[0]: c for c in cl}
+def _claims(out, **plan):
+    """The claims by their text up to the first parenthesis, without the domain: 'z_skip reduces damage on ppo'."""
+    cl = study.claims(out, primary="z_skip", evaluation_seeds=sorted(out.seed.unique()),
+                      plan=study.Plan(**{"margin": 0.05, **plan}), comparators=[])
+    return {f"{c.claim.split(' (')[0].split(': ', 1)[1]} on {c.claim.split(':')[0]}": c for c in cl}
 
 
 def test_two_doses_of_one_prefix_are_one_unit():
@@ -47,7 +48,7 @@ def test_two_doses_of_one_prefix_are_one_unit():
     damage = cl["z_skip reduces damage on ppo"]
     assert damage.n == 1 and damage.verdict == "inconclusive"  # 1 prefix, not 2 forks
     assert "1 units of 2 runs" in damage.reason
-    assert cl["z_skip prevents collapse"].n == 1
+    assert cl["z_skip prevents collapse on ppo"].n == 1
 
 
 def test_damage_over_prefixes_supported_not_supported_and_not_tested():

@@ -319,14 +319,15 @@ def test_closed_loop_outcomes_table_and_claims():
     row = paired.set_index("controller").loc["z_skip"]
     assert row.collapse_without == 4 and row.collapse_with == 0 and row.false_per_1k == 0
     assert study.choose_primary(out, [0], ["z_skip"]) == "z_skip"
-    cl = {c.claim.split(":")[0]: c for c in study.claims(out[out.seed.isin([1, 2, 3])], primary="z_skip",
-                                                          evaluation_seeds=[1, 2, 3], budget=2.0, margin=0.05,
-                                                          comparators=["clip1", "olmo"])}
-    assert cl["z_skip prevents collapse (paired runs near the critical dose)"].verdict == "inconclusive"  # 3 pairs
+    rows = study.claims(out[out.seed.isin([1, 2, 3])], primary="z_skip", evaluation_seeds=[1, 2, 3],
+                        plan=study.Plan(collapse_excess={"toy": 0.3}, margin=0.05), comparators=["clip1", "olmo"])
+    cl = {c.claim.split(": ", 1)[1].split(":")[0].split(" (")[0]: c for c in rows}
+    assert all(c.claim.startswith("toy: ") for c in rows)  # one domain, its rows named by it
+    assert cl["z_skip prevents collapse"].verdict == "inconclusive"  # 3 pairs
     assert cl["z_skip beats clip1"].verdict == "supported"
-    assert cl["z_skip beats olmo (less damage)"].verdict == "not tested"  # no olmo runs
+    assert cl["z_skip beats olmo"].verdict == "not tested"  # no olmo runs
     assert cl["z_skip is selective"].verdict in ("supported", "inconclusive")
-    assert cl["z_skip reduces damage on toy (paired runs near the critical dose)"].verdict == "supported"
+    assert cl["z_skip reduces damage"].verdict == "supported"
 
 
 def test_action_timing_counts_first_actions_after_the_event_ended():

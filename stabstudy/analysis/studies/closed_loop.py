@@ -41,15 +41,20 @@ in the GPT and toy domains the seed, for the same reason.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import xarray as xr
+from scipy import stats as sps
 
 from stabstudy.analysis import claims as C
+from stabstudy.analysis import power as PW
+from stabstudy.analysis.plan import Planned
 from stabstudy.analysis.studies import lm_spikes, rl_comparison
+from stabstudy.hparams import field_docs
 from stabstudy.online import RobustZ, WindowZ, ZClipZ
 from stabstudy.spec import Perturbation, RunSpec
 
@@ -80,34 +85,62 @@ def _events(event_step: int, events: Sequence[Sequence[Any]]) -> list[tuple[Pert
 
 
 def uncontrolled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
-                      events: Sequence[Sequence[Any]], **hp: Any) -> list[RunSpec]:
-    """Per seed: the unperturbed run and one run per ``[kind, dose, duration]`` event, no controller."""
-    return [base_spec(domain, steps, s, p, **hp) for s in seeds for p in [(), *_events(event_step, events)]]
+                      events: Sequence[Sequence[Any]], *, unperturbed: bool = True, **hp: Any) -> list[RunSpec]:
+    """Per seed: the unperturbed run (unless ``unperturbed`` is False) and one run per ``[kind, dose,
+    duration]`` event, no controller."""
+    return [base_spec(domain, steps, s, p, **hp) for s in seeds
+            for p in [*([()] if unperturbed else []), *_events(event_step, events)]]
 
 
 def controlled_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
                     events: Sequence[Sequence[Any]], controllers: Sequence[str], thresholds: dict[str, float],
-                    **hp: Any) -> list[RunSpec]:
-    """Per seed and controller: the unperturbed-but-controlled run and one controlled run per event;
-    calibrated controllers carry their threshold (``thresholds[CALIBRATED[name]]``)."""
+                    *, unperturbed: bool = True, **hp: Any) -> list[RunSpec]:
+    """Per seed and controller: the unperturbed-but-controlled run (unless ``unperturbed`` is False)
+    and one controlled run per event; calibrated controllers carry their threshold
+    (``thresholds[CALIBRATED[name]]``)."""
     out = []
     for name in controllers:
         h = {**hp, "controller": name}
         if name in CALIBRATED:
             h["controller_threshold"] = float(thresholds[CALIBRATED[name]])
-        out += uncontrolled_grid(domain, steps, seeds, event_step, events, **h)
+        out += uncontrolled_grid(domain, steps, seeds, event_step, events, unperturbed=unperturbed, **h)
     return out
 
 
 def published_grid(domain: str, steps: int, seeds: Sequence[int], event_step: int,
                    events: Sequence[Sequence[Any]], controllers: Sequence[str], thresholds: dict[str, float],
-                   **hp: Any) -> list[RunSpec]:
+                   *, unperturbed: bool = True, **hp: Any) -> list[RunSpec]:
     """The comparators among ``controllers`` (not ours) whose calibrated threshold differs from the
     published one, again at the published threshold (:data:`PUBLISHED`); pass them to
     :func:`run_table` as ``published`` to label them ``name@published``."""
     names = [c for c in controllers if c in CALIBRATED and c not in OURS
              and float(thresholds[CALIBRATED[c]]) != PUBLISHED[CALIBRATED[c]]]
-    return controlled_grid(domain, steps, seeds, event_step, events, names, PUBLISHED, **hp)
+    return controlled_grid(domain, steps, seeds, event_step, events, names, PUBLISHED, unperturbed=unperturbed,
+                           **hp)
+
+
+def twin_grid(domain: str, steps: int, seeds: Sequence[int], evaluation_seeds: Sequence[int], event_step: int,
+              events: Sequence[Sequence[Any]], controllers: Sequence[str], thresholds: dict[str, float], *,
+              primary: str | None = None, comparators: Sequence[str] = (), published: bool = True,
+              **hp: Any) -> tuple[list[RunSpec], list[RunSpec]]:
+    """The controlled twins of a GPT or toy domain, ``(specs, published)``: without ``primary``, every
+    controller on the seeds that are not evaluation seeds (they choose the controller under test,
+    :func:`choose_primary`); with it, on the ``evaluation_seeds``, the controller under test
+    (unperturbed and perturbed) and the comparators among ``controllers`` that a claim names
+    (perturbed only: the claims compare damage), ``name@published`` among them (:func:`published_grid`)
+    where ``published``. Each run the claims do not read costs a run the units could have had."""
+    if primary is None:
+        seeds = [s for s in seeds if s not in set(evaluation_seeds)]
+        return controlled_grid(domain, steps, seeds, event_step, events, controllers, thresholds, **hp), []
+    named = {c.split("@")[0] for c in comparators}
+    comps = [c for c in controllers if c in named and c != primary]
+    specs = controlled_grid(domain, steps, evaluation_seeds, event_step, events, [primary], thresholds, **hp)
+    specs += controlled_grid(domain, steps, evaluation_seeds, event_step, events, comps, thresholds,
+                             unperturbed=False, **hp)
+    pub = [c.split("@")[0] for c in comparators if c.endswith("@published")]
+    extra = published_grid(domain, steps, evaluation_seeds, event_step, events, [c for c in comps if c in pub],
+                           thresholds, unperturbed=False, **hp) if published else []
+    return specs + extra, extra
 
 
 #: A controller threshold no score reaches: a *watch* run (bit-identical to the uncontrolled one)
@@ -496,56 +529,121 @@ def _with_units(claim: C.Claim, units: pd.DataFrame) -> C.Claim:
                                     f"prefix: its runs at every event summarised); design effect {deff:.2f} (ICC {icc:.2f})")
 
 
-def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], budget: float,
-           margin: float, comparators: Sequence[str] = ("clip1", "zclip", "olmo"), alpha: float = 0.05,
-           ) -> list[C.Claim]:
-    """The claims of notebook 05 for the controller ``primary``, every domain and event pooled
-    over units (:func:`unit_pairs`: a GPT or toy run, an RL prefix with its forks at every event
-    summarised), and its damage per domain (an RL domain's: Wilcoxon signed-rank over prefixes).
-    "Beats" a comparator: smaller paired damage on the same perturbed runs, the comparators
-    calibrated to the same false-alarm budget where they have a threshold (``name@published``: at
-    the published one)."""
+#: How each domain is named in a family (one question in one domain).
+DOMAIN_NAMES = {"lm": "GPT", "toy": "toy MLP", "ppo": "PPO"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Notebook 05's analysis plan, fixed before the runs: the outcome thresholds, each confirmatory
+    claim's smallest effect of interest (in its own units) and its family (one question in one
+    domain: Holm adjusts within a family only). Each field's doc says what it is and where its
+    number comes from. The PPO domain's smallest effects are its own issue's (notebook 01's rules):
+    none is declared here, so its rows say so."""
+
+    collapse_excess: Mapping[str, float] = field(default_factory=lambda: {"lm": 0.3, "toy": 0.1})
+    """per domain: a final loss this many nats above the reference run's is a collapse, and a damage difference this large is the smallest of interest ('reduces damage', 'beats'): the project's collapse thresholds, this notebook's since its first design (the GPT's is notebook 04's smallest loss band, label_min_excess; the toy's losses are smaller)"""
+    prevents: float = 0.5
+    """'prevents collapse': smallest drop of the paired collapse rate over units, the claim's own words (a controller that prevents collapse spares at least half the units that would collapse)"""
+    budget: float = 2.0
+    """'selective': false interventions per 1,000 unperturbed steps a run may make (mean over runs), the calibration's false-alarm budget, at which every calibrated detector is set"""
+    margin: float = 0.01
+    """'non-intrusive': TOST margin of the unperturbed final loss, relative to the run without the controller: the project's 1% of the final loss (about the seed-to-seed spread)"""
+    alpha: float = 0.05
+    """family-wise error of each of a rule's two one-sided tests (Holm within the family)"""
+
+    protect_family: str = "does the controller protect? ({domain})"
+    """prevents collapse, reduces damage: paired units near the critical dose, per domain"""
+    cost_family: str = "what does it cost when nothing is wrong? ({domain})"
+    """selective, non-intrusive: the unperturbed runs of the evaluation seeds, per domain"""
+    beats_family: str = "does it beat the other rules? ({domain})"
+    """less damage than each comparator on the same perturbed runs, per domain"""
+
+    def families(self, domain: str) -> dict[str, str]:
+        """The questions of one domain: ``protect``, ``cost`` and ``beats``."""
+        name = DOMAIN_NAMES.get(domain, domain)
+        return {k: getattr(self, f"{k}_family").format(domain=name) for k in ("protect", "cost", "beats")}
+
+    def planned(self, domains: Sequence[str]) -> dict[str, Planned]:
+        """Each confirmatory question's family and smallest effect of interest per domain (those with a
+        collapse threshold: the PPO domain's are its own issue's), with where it comes from (the field
+        docs), for :func:`stabstudy.analysis.plan.frame`."""
+        why = field_docs(type(self))
+        out = {}
+        for d in domains:
+            if d not in self.collapse_excess:
+                continue
+            fam, dmg, name = self.families(d), float(self.collapse_excess[d]), DOMAIN_NAMES.get(d, d)
+            out |= {f"{name}: prevents collapse": Planned(fam["protect"], self.prevents, "paired rate difference",
+                                                         why["prevents"]),
+                    f"{name}: reduces damage": Planned(fam["protect"], dmg, "nats", why["collapse_excess"]),
+                    f"{name}: selective": Planned(fam["cost"], self.budget, "false interventions per 1,000 steps "
+                                                  "(the budget itself)", why["budget"]),
+                    f"{name}: non-intrusive": Planned(fam["cost"], self.margin, "relative final loss (TOST margin)",
+                                                      why["margin"]),
+                    f"{name}: beats each comparator": Planned(fam["beats"], dmg, "nats", why["collapse_excess"])}
+        return out
+
+
+def claims(out: pd.DataFrame, *, primary: str, evaluation_seeds: Sequence[int], plan: Plan,
+           comparators: Sequence[str] = ("clip1", "zclip", "olmo")) -> list[C.Claim]:
+    """The claims of notebook 05 for the controller ``primary``, one set per domain (never pooled
+    across domains: nats and return fractions differ), each question its own family
+    (:meth:`Plan.families`), over units (:func:`unit_pairs`: a GPT or toy seed, an RL prefix, its runs
+    at every event summarised): collapse prevented (paired binary outcomes), damage reduced (an RL
+    domain's: Wilcoxon signed-rank over prefixes), false interventions per run against the budget,
+    non-intrusiveness (TOST), and "beats" each comparator (less paired damage on the same perturbed
+    runs; calibrated comparators at the same false-alarm budget, ``name@published`` at the published
+    threshold). The smallest effects of interest come from ``plan`` (none for a domain it does not
+    name)."""
     res: list[C.Claim] = []
-    ctrl = out[out.controller == primary]
-    base = out[out.controller == "none"]
-    pert, bpert = ctrl[ctrl.event != "none"], base[base.event != "none"]
-    units = unit_pairs(pert, bpert)
-    res.append(_with_units(C.paired_outcomes(f"{primary} prevents collapse (paired runs near the critical dose)",
-                                             SOURCE, units.collapse_with.to_numpy(float),
-                                             units.collapse_without.to_numpy(float), direction="less", alpha=alpha),
-                           units))
-    for domain in units.domain.unique():  # a domain where it fails is not pooled away
-        u = units[units.domain == domain]
-        rl = _has_prefix(pert[pert.domain == domain])
-        name = f"{primary} reduces damage on {domain} (paired {'prefixes' if rl else 'runs'} near the critical dose)"
-        res.append(_with_units(C.paired_difference(name, SOURCE, u.damage_with.to_numpy(), u.damage_without.to_numpy(),
-                                                   direction="less", alpha=alpha, test="wilcoxon" if rl else "ttest"),
-                               u))
-    null = ctrl[(ctrl.event == "none") & ctrl.seed.isin(evaluation_seeds)]
-    k, n = int(null.interventions.sum()), int(null.n_steps.sum())
-    res.append(_selective(f"{primary} is selective: at most {budget:g} false interventions per 1,000 unperturbed "
-                          "steps", k, n, budget, alpha))
-    ref = base[base.event == "none"].set_index(["domain", "seed"]).reindex(
-        null.set_index(["domain", "seed"]).index)
-    res.append(_tost(f"{primary} is non-intrusive: unperturbed final loss (RL: return) within {margin:.0%} of the run without "
-                     "it (TOST)", null.final.to_numpy(), ref.final.to_numpy(), margin, alpha))
-    for comp in comparators:
-        other = out[(out.controller == comp) & (out.event != "none")]
-        vs = unit_pairs(pert, other) if len(other) else units.iloc[:0]
-        if vs.empty or vs.damage_without.isna().all():
-            res.append(C.not_tested(f"{primary} beats {comp} (less damage)", "our own", f"no {comp} runs"))
-            continue
-        res.append(_with_units(C.paired_difference(f"{primary} beats {comp}: less damage on the same perturbed runs",
-                                                   "our own", vs.damage_with.to_numpy(), vs.damage_without.to_numpy(),
-                                                   direction="less", alpha=alpha), vs))
+    for domain in dict.fromkeys(out.domain):
+        o = out[out.domain == domain]
+        fam = plan.families(domain)
+        dmg = plan.collapse_excess.get(domain)
+        ctrl, base = o[o.controller == primary], o[o.controller == "none"]
+        pert, bpert = ctrl[ctrl.event != "none"], base[base.event != "none"]
+        units = unit_pairs(pert, bpert)
+        rl = _has_prefix(pert)
+        what = f"paired {'prefixes' if rl else 'seeds'} near the critical dose"
+        res.append(_with_units(C.paired_outcomes(f"{domain}: {primary} prevents collapse ({what})", SOURCE,
+                                                 units.collapse_with.to_numpy(float),
+                                                 units.collapse_without.to_numpy(float), direction="less",
+                                                 sesoi=None if rl else plan.prevents, family=fam["protect"],
+                                                 alpha=plan.alpha), units))
+        res.append(_with_units(C.paired_difference(f"{domain}: {primary} reduces damage ({what})", SOURCE,
+                                                   units.damage_with.to_numpy(), units.damage_without.to_numpy(),
+                                                   direction="less", sesoi=dmg, family=fam["protect"],
+                                                   alpha=plan.alpha, test="wilcoxon" if rl else "ttest"), units))
+        null = ctrl[(ctrl.event == "none") & ctrl.seed.isin(evaluation_seeds)]
+        res.append(selective(f"{domain}: {primary} is selective: at most {plan.budget:g} false interventions per 1,000 "
+                             "unperturbed steps (mean over runs)", 1000 * null.interventions.to_numpy(float)
+                             / np.maximum(null.n_steps.to_numpy(float), 1), plan.budget, family=fam["cost"],
+                             alpha=plan.alpha))
+        ref = base[base.event == "none"].set_index("seed").reindex(null.seed)
+        res.append(_tost(f"{domain}: {primary} is non-intrusive: unperturbed final {'return' if rl else 'loss'} within "
+                         f"{plan.margin:.0%} of the run without it (TOST)", null.final.to_numpy(), ref.final.to_numpy(),
+                         plan.margin, plan.alpha, fam["cost"]))
+        for comp in comparators:
+            other = o[(o.controller == comp) & (o.event != "none")]
+            name = f"{domain}: {primary} beats {comp}: less damage on the same perturbed runs"
+            vs = unit_pairs(pert, other) if len(other) else units.iloc[:0]
+            if vs.empty or vs.damage_without.isna().all():
+                res.append(C.not_tested(name, "our own", f"no {comp} runs", family=fam["beats"],
+                                        sesoi=math.nan if dmg is None else -dmg))
+                continue
+            res.append(_with_units(C.paired_difference(name, "our own", vs.damage_with.to_numpy(),
+                                                       vs.damage_without.to_numpy(), direction="less", sesoi=dmg,
+                                                       family=fam["beats"], alpha=plan.alpha), vs))
     return res
 
 
-def _tost(claim: str, final: np.ndarray, ref_final: np.ndarray, margin: float, alpha: float) -> C.Claim:
-    """TOST of the paired ratio final / reference final against 1 +- ``margin`` (relative per pair,
-    so that domains with losses of different size pool)."""
+def _tost(claim: str, final: np.ndarray, ref_final: np.ndarray, margin: float, alpha: float, family: str = "",
+          ) -> C.Claim:
+    """TOST of the paired ratio final / reference final against 1 +- ``margin`` (relative per pair)."""
     ratio = np.asarray(final, dtype=float) / np.asarray(ref_final, dtype=float)
-    return C.equivalence(claim, SOURCE, ratio, np.ones_like(ratio), margin=margin, relative=False, alpha=alpha)
+    return C.equivalence(claim, SOURCE, ratio, np.ones_like(ratio), margin=margin, relative=False, alpha=alpha,
+                         family=family)
 
 
 def choose_primary(out: pd.DataFrame, calibration_seeds: Sequence[int], candidates: Sequence[str] = OURS) -> str:
@@ -558,8 +656,29 @@ def choose_primary(out: pd.DataFrame, calibration_seeds: Sequence[int], candidat
     return str(score.sort_values(["collapses", "damage"]).index[0])
 
 
-def _selective(claim: str, k: int, n: int, budget: float, alpha: float) -> C.Claim:
-    """False interventions per 1,000 steps against the budget: supported when the Clopper-Pearson
-    upper limit is at or below it, not supported when the lower limit is above it (the rule is
-    :func:`stabstudy.analysis.claims.rate_below`)."""
-    return C.rate_below(claim, SOURCE, k, n, budget / 1000, alpha=alpha, scale=1000, unit="per 1,000 steps")
+def selective(claim: str, rates: Sequence[float], budget: float, *, family: str = "", alpha: float = 0.05,
+              min_n: int = 3) -> C.Claim:
+    """Claim: the mean of the runs' false-intervention ``rates`` (per 1,000 unperturbed steps, one per
+    run: the run is the unit, not the step) is at most ``budget``. One-sided t-tests over runs:
+    supported when the mean is shown below the budget, not supported when shown above it. The power
+    printed, as :func:`~stabstudy.analysis.claims.rate_below`'s: P(supported) with the runs at half
+    the budget, P(not supported) at twice the budget, at the observed spread."""
+    r = np.asarray(rates, dtype=float)
+    r = r[np.isfinite(r)]
+    test = f"one-sided t-tests over runs vs {budget:g} per 1,000 steps"
+    if r.size < min_n:
+        return C.not_tested(claim, SOURCE, "no unperturbed run" if r.size == 0 else f"{r.size} < {min_n} runs needed",
+                            r.size, family=family, sesoi=budget)
+    mean, n = float(r.mean()), int(r.size)
+    sd = float(r.std(ddof=1))
+    if sd == 0:
+        p_for, p_against, half = float(mean >= budget), float(mean <= budget), 0.0
+    else:
+        se = sd / math.sqrt(n)
+        p_for = float(sps.t.cdf((mean - budget) / se, n - 1))  # H0: mean >= budget
+        p_against = float(sps.t.sf((mean - budget) / se, n - 1))  # H0: mean <= budget
+        half = float(sps.t.ppf(1 - alpha, n - 1) * se)
+    power = PW.t_test(n, sd, planning=budget / 2, minimum=0.0, sesoi=0.0, null=-budget)
+    c = C.from_p(claim, SOURCE, mean, (mean - half, mean + half), n, p_for=p_for, p_against=p_against, test=test,
+                 sesoi=budget, power=power, family=family, alpha=alpha, min_n=min_n)
+    return replace(c, meaning=(f"the mean rate is shown below {budget:g}", f"the mean rate is shown above {budget:g}"))
