@@ -127,6 +127,25 @@ def test_lanczos_finds_top_algebraic_eigenvalue_when_negative_one_dominates(dtyp
     assert cv.precond_sharpness(loss_fn, params, ones, seed=0).value == pytest.approx(1.0, rel=0.01)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("method", ["lanczos", "power"])
+def test_eigensolvers_under_a_half_precision_autocast(method, dtype):
+    """An LM probe runs under the run's autocast: the float32 basis must not meet half-precision
+    products (it raised "addmv input tensors must have the same dtype"); the value is the one
+    without autocast, since the HVPs keep their forward pass's dtypes either way."""
+    (m32, loss32), _ = float32_mlp()
+    params = list(m32.parameters())
+    with torch.autocast("cpu", dtype=dtype):
+        _, grads = cv.gradient_graph(loss32, params)
+        got = cv.lambda_max(None, params, grads=grads, seed=0, method=method)
+        ones = [torch.ones_like(p) for p in params]
+        pre = cv.precond_sharpness(None, params, ones, grads=grads, seed=0, method=method)
+        along = cv.directional_sharpness(None, params, [g.detach() for g in grads], grads=grads)
+    ref = cv.lambda_max(None, params, grads=grads, seed=0, method=method)
+    assert math.isfinite(got.value) and got.value == ref.value and pre.value == ref.value
+    assert math.isfinite(along)
+
+
 def test_lanczos_budget_is_a_hard_cap_and_unconverged_returns_best_ritz_value():
     loss_fn, params, A = rotated_quadratic(n=200, seed=1)
     top = np.linalg.eigvalsh(A)[-1]

@@ -110,6 +110,16 @@ def test_curvature_channels_at_their_cadence():
     assert lm.stale(s, r.attrs) is None and "old default tolerance" in lm.stale(s, {})
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_curvature_under_half_precision_autocast(dtype):
+    """The probe measures under the run's autocast (it crashed in Lanczos before)."""
+    r = lm.run(spec(steps=11, curvature_every=10, curvature_iters=4, autocast_dtype=dtype,
+                    grad_scaler=dtype == "float16"))
+    assert r.attrs["status"] == "ok"
+    measured = np.flatnonzero(np.isfinite(r.lambda_max.values)).tolist()
+    assert measured == [0, 10] and (r.lambda_max.values[measured] > 0).all()
+
+
 def test_grid_builders_and_analyses():
     specs = study.spike_grid(40, 20, seeds=(0,), events={"lr_spike": (30.0, 2), "outlier_batch": (1.0, 1)},
                           beta2s=(0.95, 0.99), **TINY)

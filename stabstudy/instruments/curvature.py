@@ -273,6 +273,15 @@ def _top_eig(grads, params, *, method: str, iters: int, tol: float, generator: t
              precond: Sequence[torch.Tensor] | None = None) -> tuple[float, int, bool, float]:
     _check_method(method)
     op = _Operator(grads, params, precond)
+    # a caller's autocast (an LM probe under bfloat16 / float16) would run the basis products in
+    # half precision, against the float32 vectors they update; the HVPs' double backward keeps
+    # the dtypes its forward pass recorded either way
+    with torch.autocast(op.device.type, enabled=False):
+        return _solve(op, method, iters=iters, tol=tol, generator=generator)
+
+
+def _solve(op: _Operator, method: str, *, iters: int, tol: float,
+           generator: torch.Generator) -> tuple[float, int, bool, float]:
     if method == "lanczos":
         return _lanczos(op, _start_vector(op, generator), iters=iters, tol=tol)
     lam, k, ok, change = _power(op, _start_vector(op, generator), iters=iters, tol=tol)
