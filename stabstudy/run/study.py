@@ -71,10 +71,15 @@ def select(only: Sequence[str] | None) -> list[Path]:
     return sorted(chosen)
 
 
+#: What papermill injects into every notebook beside its profile's values: each notebook's
+#: parameters cell declares them (papermill warns "Passed unknown parameter" otherwise).
+INJECTED = ("profile", "scheduler", "retry_failed")
+
+
 def parameters_for(nb: Path, profile: str, scheduler: str | None, retry_failed: bool = False) -> dict[str, Any]:
     """The parameters papermill injects into ``nb`` for ``profile``."""
     params = dict(load_profile(profile).get(nb.stem, {}))
-    params.update(profile=profile, scheduler=scheduler or "", retry_failed=bool(retry_failed))
+    params.update(zip(INJECTED, (profile, scheduler or "", bool(retry_failed)), strict=True))
     return params
 
 
