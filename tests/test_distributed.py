@@ -1,5 +1,11 @@
 """The Monitor under torch.distributed: DDP and FSDP2 (gloo, 2 processes on the CPU, started here)
-record every channel the single-process run records on the same global batch."""
+record every channel the single-process run records on the same global batch.
+
+The ranks rendezvous through a file store of their own on the loopback device, with a timeout;
+they stop before tearing their group down until both are done, and end without the interpreter's
+teardown of torch's threads (a run on a loaded machine once aborted all four tests with
+"terminate called without an active exception"). Where gloo cannot start, the tests skip and say
+why; a rank that fails or outlives the deadline fails them, naming it."""
 
 from __future__ import annotations
 
@@ -58,14 +64,40 @@ def single(kind: str):
     return train(model, opt, mon, x, y)
 
 
-def worker(rank: int, store: str, out: str) -> None:
+#: Seconds the ranks may take together (imports, gloo's rendezvous, both trainings) before the
+#: test stops them and fails: on the loaded 2-core machine they take 40-150 s.
+DEADLINE_S = 420
+#: Seconds gloo's rendezvous and each collective may wait for the other rank.
+GLOO_TIMEOUT_S = 180
+
+
+def worker(rank: int, d: str) -> None:
+    """One rank: its results go to ``rank<r>.pkl`` once its process group is torn down (written
+    atomically); a rendezvous that fails goes to ``rank<r>.nogloo`` (the test then skips, naming it),
+    any other error to ``rank<r>.error``. The process then ends at once (``os._exit``), not through
+    the interpreter's teardown of torch's threads."""
+    import os
+    import socket
+    import traceback
+    from datetime import timedelta
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    if "lo" in {name for _, name in socket.if_nameindex()}:
+        # the loopback device: the host name may resolve to an address this sandbox cannot reach
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    code = 1
     try:
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=rank, world_size=WORLD,
+                                    timeout=timedelta(seconds=GLOO_TIMEOUT_S))
+        except Exception as e:  # gloo cannot start here: the test skips, saying why
+            _write(f"{d}/rank{rank}.nogloo", f"{type(e).__name__}: {e}".encode())
+            code = 0
+            return
         res = {}
         # DDP: the gradients are averaged before the step; the parameters stay replicated
         model, x, y = make()
@@ -88,23 +120,53 @@ def worker(rank: int, store: str, out: str) -> None:
             res["per_layer_error"] = ""
         except ValueError as e:
             res["per_layer_error"] = str(e)
-        with open(f"{out}/rank{rank}.pkl", "wb") as f:
-            pickle.dump(res, f)
-    finally:
+        dist.barrier()  # neither rank tears its group down while the other still talks to it
         dist.destroy_process_group()
+        _write(f"{d}/rank{rank}.pkl", pickle.dumps(res))
+        code = 0
+    except BaseException:
+        _write(f"{d}/rank{rank}.error", traceback.format_exc().encode())
+    finally:
+        os._exit(code)
+
+
+def _write(path: str, data: bytes) -> None:
+    import os
+
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    import torch.multiprocessing as mp
+    """Both ranks' results; a skip naming the reason where gloo cannot start here; a failure naming
+    the rank and its error (or the deadline) otherwise."""
+    import multiprocessing as mp
+    import time
 
-    d = tmp_path_factory.mktemp("dist")
-    mp.spawn(worker, args=(str(d / "store"), str(d)), nprocs=WORLD, join=True)
-    out = []
-    for r in range(WORLD):
-        with open(d / f"rank{r}.pkl", "rb") as f:
-            out.append(pickle.load(f))
-    return out
+    d = tmp_path_factory.mktemp("dist")  # a fresh file store for this run
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=worker, args=(r, str(d)), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + DEADLINE_S
+    for p in procs:
+        p.join(max(end - time.monotonic(), 0.0))
+    late = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    nogloo = sorted(d.glob("rank*.nogloo"))
+    if nogloo:
+        pytest.skip(f"gloo cannot start a process group here: {nogloo[0].read_text()}")
+    errors = {f.name: f.read_text() for f in sorted(d.glob("rank*.error"))}
+    assert not errors, f"a rank failed: {errors}"
+    assert not late, f"ranks {late} still ran after {DEADLINE_S} s (gloo's own timeout is {GLOO_TIMEOUT_S} s)"
+    missing = {r: p.exitcode for r, p in enumerate(procs) if not (d / f"rank{r}.pkl").exists()}
+    assert not missing, f"ranks ended without results (rank: exit code) {missing}"
+    return [pickle.loads((d / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
