@@ -58,6 +58,11 @@ def claims_dir(profile: str) -> Path:
     return build_dir() / profile / "claims"
 
 
+#: The study's profiles (``run/profiles/<name>.yaml``): here, not beside the YAML reader, so that the
+#: CLI offers them with the core alone.
+PROFILES = ("smoke", "quick", "standard", "paper")
+
+
 def profiles_dir() -> Path:
     return _PKG / "run" / "profiles"
 

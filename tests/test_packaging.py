@@ -65,6 +65,42 @@ def test_lean_install_imports_and_runs(extras, code):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+CLI = """
+import sys
+from stabstudy.run.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:  # --help and --version exit through argparse
+    code = e.code
+sys.exit(code)
+"""
+
+
+def cli(extras: str, *args: str, data=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1")
+    if data is not None:
+        env["STABSTUDY_DATA"] = str(data)
+    code = "import sys; sys.argv[1:] = " + repr(list(args)) + "\n" + CLI
+    return subprocess.run([sys.executable, str(ROOT / "tests" / "leanimport.py"), extras, code], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_cli_with_the_core_alone(tmp_path):
+    """--help, --version, list and runs need no extra; the commands that do say which one."""
+    for args, out in ((["--help"], "{study,runs,report,list,new}"), (["--version"], "stabstudy 0.1.0"),
+                      (["list", "channels"], "| `grad_norm` |"), (["list", "--domain", "toy"], "digits"),
+                      (["runs"], "no stored runs in")):
+        proc = cli("", *args, data=tmp_path)
+        assert proc.returncode == 0 and out in proc.stdout, (args, proc.stderr[-2000:])
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    (tmp_path / "runs" / "0123abcd.nc").write_bytes(b"")
+    proc = cli("", "runs", data=tmp_path)
+    assert proc.returncode == 2 and "pip install 'stabstudy[study]'" in proc.stderr, proc.stderr[-2000:]
+    for args in (["study", "--profile", "smoke"], ["report", "--check"], ["new", "07_probe"]):
+        proc = cli("", *args, data=tmp_path)
+        assert proc.returncode == 2 and "needs the [study] extra" in proc.stderr, (args, proc.stderr[-2000:])
+
+
 def test_the_lean_check_hides_what_an_extra_would_bring():
     proc = lean("", SB3_CALLBACKS)  # the callbacks without [rl]
     assert proc.returncode != 0 and "No module named 'stable_baselines3'" in proc.stderr

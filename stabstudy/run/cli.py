@@ -1,16 +1,34 @@
-"""The ``stabstudy`` command: ``study``, ``runs``, ``report``, ``list``, ``new``."""
+"""The ``stabstudy`` command: ``study``, ``runs``, ``report``, ``list``, ``new``.
+
+``--help``, ``--version``, ``list`` and ``runs`` need the core install alone (``pip install
+stabstudy``); the commands that execute or publish the study import the ``[study]`` extra's modules
+when they run, and say which extra they need where it is missing.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
-from stabstudy import paths
-from stabstudy.run import study
+from stabstudy import __version__, paths
+
+#: The extra each command needs beyond the core, and a module that extra brings.
+NEEDS = {"study": ("study", "papermill"), "report": ("study", "nbconvert"), "new": ("study", "yaml")}
+
+
+def _missing_extra(command: str) -> str | None:
+    """Why ``command`` cannot run with the installed packages, or None."""
+    extra, module = NEEDS.get(command, (None, None))
+    if extra is None or importlib.util.find_spec(module) is not None:
+        return None
+    return f"`stabstudy {command}` needs the [{extra}] extra ({module} is not installed): pip install 'stabstudy[{extra}]'"
 
 
 def _cmd_study(args: argparse.Namespace) -> int:
+    from stabstudy.run import study  # the [study] extra's YAML profiles and papermill
+
     try:
         study.select(args.only)
     except ValueError as exc:
@@ -38,6 +56,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
     from stabstudy.run.store import RunStore
 
     store = RunStore(args.data) if args.data else RunStore()
+    if store.hashes() and importlib.util.find_spec("netCDF4") is None:
+        print(f"stabstudy runs: error: {store.root} holds netCDF runs; reading them needs netCDF4, in the [study] "
+              "extra: pip install 'stabstudy[study]'", file=sys.stderr)
+        return 2
     table = store.table()
     if table.empty:
         print(f"no stored runs in {store.root}")
@@ -60,7 +82,7 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from stabstudy.run import report
+    from stabstudy.run import report  # the [study] extra's nbconvert
 
     if args.check:
         changed = report.check(args.profile)
@@ -106,11 +128,12 @@ def _cmd_new(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stabstudy", description="Perturbation auditing of training stability.")
+    parser.add_argument("--version", action="version", version=f"stabstudy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("study", help="execute the study notebooks in order with papermill",
                        description="Execute the notebooks in order under a profile; executed copies go to build/<profile>/.")
-    p.add_argument("--profile", choices=study.PROFILES, default="quick",
+    p.add_argument("--profile", choices=paths.PROFILES, default="quick",
                    help="parameter set: smoke (CI, minutes), quick (make study on 2 cores), standard (notebook 01's full "
                         "design, for a cluster), paper (hours)")
     p.add_argument("--only", nargs="+", metavar="NB", help="notebook numbers or names, e.g. --only 00 01")
@@ -132,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="publish results/<profile>/ from the executed study, or check it",
                        description="Write results/<profile>/ (CLAIMS.md, rendered notebooks, figures) from "
                                    "build/<profile>/ and figures/; --check exits 1 naming the sources changed since.")
-    p.add_argument("--profile", choices=study.PROFILES, default="quick")
+    p.add_argument("--profile", choices=paths.PROFILES, default="quick")
     p.add_argument("--check", action="store_true", help="only say whether the published results are current")
     p.set_defaults(func=_cmd_report)
 
@@ -158,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = _missing_extra(args.command)
+    if missing:
+        print(f"stabstudy {args.command}: error: {missing}", file=sys.stderr)
+        return 2
     return int(args.func(args))
 
 

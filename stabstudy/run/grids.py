@@ -67,10 +67,8 @@ class Grid:
 
 
 def _check_profile(profile: str) -> str:
-    from stabstudy.run.study import PROFILES
-
-    if profile not in PROFILES:
-        raise ValueError(f"unknown profile {profile!r}; valid profiles: {', '.join(PROFILES)}")
+    if profile not in paths.PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; valid profiles: {', '.join(paths.PROFILES)}")
     return profile
 
 

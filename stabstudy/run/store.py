@@ -27,16 +27,19 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import xarray as xr
-from filelock import FileLock, Timeout
 
 from stabstudy import __version__, paths, registry
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.registry import SHARED_CHANNELS
 from stabstudy.spec import RunSpec
+
+if TYPE_CHECKING:  # the [study] extra's (see _lock)
+    from filelock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +107,10 @@ def _read(path: Path) -> xr.Dataset:
 
 @functools.cache
 def _lock(path: str) -> FileLock:
+    # filelock is the [study] extra's: imported here so that reading a store (`stabstudy runs`)
+    # needs the core alone
+    from filelock import FileLock
+
     # one object per file in a process: acquiring it again in the same process is reentrant
     # (save() inside a claim held by run_grid), while another process's attempt waits
     return FileLock(path, thread_local=False)
@@ -263,6 +270,8 @@ class RunStore:
 
     def claim(self, spec_or_hash: RunSpec | str) -> bool:
         """Take the run's :meth:`lock` without waiting: False when another process holds it."""
+        from filelock import Timeout  # see _lock
+
         try:
             self.lock(spec_or_hash).acquire(timeout=0)
         except Timeout:

@@ -34,7 +34,7 @@ import yaml
 
 from stabstudy import paths
 
-PROFILES = ("smoke", "quick", "standard", "paper")
+PROFILES = paths.PROFILES
 
 
 def load_profile(name: str) -> dict[str, dict[str, Any]]:
