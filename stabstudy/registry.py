@@ -248,7 +248,14 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("perf", "higher-is-better performance (toy: test accuracy (digits) or minus the test loss; RL: "
             "evaluation return; LM: minus the validation loss; seq: minus the test loss)", "accuracy, -loss or return",
             _ALL, "learner", True),
-    Channel("grad_norm", "global L2 norm of the gradient", "grad", _ALL, "optimizer", True, "optimizer"),
+    Channel("grad_norm", "global L2 norm of the gradient as backward() produced it: before any clipping, unscaled "
+            "(a GradScaler's scale divided out), the whole accumulated gradient. A learner's stored run keeps here "
+            "the norm its optimizer received, as it always did (it differs where the learner clips: PPO/A2C at "
+            "SB3's max_grad_norm, runs with grad_clip), and the norm before clipping in grad_norm_raw", "grad",
+            _ALL, "optimizer", True, "optimizer"),
+    Channel("grad_norm_applied", "global L2 norm of the gradient the optimizer received, after any clipping "
+            "(the Monitor's Dataset; equal to grad_norm where nothing changed the gradient between backward() "
+            "and the step)", "grad", _ALL, "optimizer", per="optimizer"),
     Channel("xgrad", "gradient-direction coherence cos(g_t, g_{t-1})", "1", _ALL, "optimizer", True, "optimizer"),
     Channel("update_norm", "L2 norm of the applied parameter update", "param", _ALL, "optimizer", True, "optimizer"),
     Channel("update_ratio", "update norm / parameter norm (before the update)", "1", _ALL, "optimizer", True,
@@ -275,7 +282,12 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     Channel("action", "code of the controller's action (0 none; interventions.control.ACTION_CODES)", "1",
             ("toy", "lm", "rl"), "control"),
     Channel("controller_score", "largest score of the controller's detectors at that update (recorded also "
-            "below the threshold, for calibration)", "1", ("rl",), "control"),
+            "below the threshold, for calibration)", "1", _ALL, "control"),
+    Channel("controller_alarm", "1 where one of the controller's detectors alarmed (the Monitor's Dataset)", "1",
+            _ALL, "control"),
+    Channel("controller_action", "name of the controller's action at that update: 'none' where it did not act, "
+            "else a name of interventions.control.ACTION_CODES (the Monitor's Dataset; loggers get one 0/1 "
+            "series per action, controller_action/<name>)", "1", _ALL, "control"),
     # curvature probe (toy and LM runs with curvature_every > 0)
     Channel("sharpness_grad", "directional curvature along the gradient", "loss/param^2", _LM_TOY, "curvature"),
     Channel("sharpness_update", "directional curvature along the applied update", "loss/param^2", _LM_TOY,
@@ -293,7 +305,9 @@ CHANNELS: dict[str, Channel] = {c.name: c for c in (
     # toy and seq
     Channel("test_loss", "loss on held-out data", "loss", ("toy", "seq"), "learner"),
     Channel("train_acc", "training accuracy (digits)", "1", ("toy",), "learner"),
-    Channel("grad_norm_raw", "gradient norm before clipping", "grad", ("seq",), "learner"),
+    Channel("grad_norm_raw", "global L2 norm of the gradient before clipping, in a learner's stored run (the "
+            "Monitor's grad_norm; the run's own grad_norm is the norm the optimizer received)", "grad",
+            ("toy", "lm", "seq", "rl"), "learner"),
     Channel("clipped", "1 where clipping scaled the gradient down", "1", ("seq",), "learner"),
     Channel("state_grad_norm", "norm of the loss gradient with respect to a hidden state, at init (seq: lag steps "
             "before the loss; depth: layers below the output)", "grad", ("seq", "depth"), "learner"),

@@ -160,6 +160,26 @@ def test_sb3_telemetry_reaches_tensorboard(tmp_path):
     assert "stability/update_ratio" in tags and "train/loss" in tags  # beside SB3's own
 
 
+def test_sb3_logger_gets_the_norm_before_clipping_and_a_controllers_decisions(tmp_path):
+    """PPO clips at 0.5: SB3's logger gets grad_norm before the clip and grad_norm_applied after it,
+    and the channels of a ControllerCallback's controller (it attaches through the Monitor)."""
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import CallbackList
+
+    from stabstudy.interventions.control import build
+    from stabstudy.learners.rl import ControllerCallback, Recorder, TelemetryCallback
+
+    model = PPO("MlpPolicy", "Pendulum-v1", n_steps=64, batch_size=32, n_epochs=1, seed=0,
+                policy_kwargs={"net_arch": [16]}, tensorboard_log=str(tmp_path), device="cpu")
+    rec = Recorder()
+    ctrl = build("z_skip", threshold=1e9, window=8)
+    model.learn(64 * 4, callback=CallbackList([TelemetryCallback(rec), ControllerCallback(rec, ctrl)]), tb_log_name="ppo")
+    tags = _scalars(next(tmp_path.iterdir()))
+    before, after = ([e.value for e in tags[f"stability/{c}"]] for c in ("grad_norm", "grad_norm_applied"))
+    assert len(before) >= 2 and all(a <= 0.5 + 1e-6 for a in after) and max(before) > 0.5
+    assert {"stability/controller_score", "stability/controller_alarm", "stability/controller_action/skip"} <= set(tags)
+
+
 def test_sb3_off_policy_telemetry_reaches_tensorboard_at_sb3s_dumps(tmp_path):
     """SAC dumps at episode ends (every log_interval episodes): the channels are there beside SB3's."""
     from stable_baselines3 import SAC
@@ -270,14 +290,15 @@ def _lightning_loader():
     return torch.utils.data.DataLoader(data, batch_size=8)  # three updates an epoch, same order each
 
 
-def _lightning_fit(tmp_path, name: str, max_epochs: int, ckpt_path=None, log_with="log_dict", **trainer_kwargs):
+def _lightning_fit(tmp_path, name: str, max_epochs: int, ckpt_path=None, log_with="log_dict", cb_kwargs=None,
+                   **trainer_kwargs):
     pytest.importorskip("lightning")
     from lightning.pytorch.loggers import CSVLogger
 
     from stabstudy.instruments.integrations.lightning import LightningTelemetryCallback
 
     pl, model = _lightning_module()
-    cb = LightningTelemetryCallback(log_with=log_with)
+    cb = LightningTelemetryCallback(log_with=log_with, **(cb_kwargs or {}))
     trainer = pl.Trainer(max_epochs=max_epochs, callbacks=[cb, *trainer_kwargs.pop("callbacks", [])],
                          logger=CSVLogger(str(tmp_path), name=name), accelerator="cpu", enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path), **trainer_kwargs)
@@ -299,6 +320,30 @@ def test_lightning_callback_logs_channels_at_log_every_n_steps(tmp_path, log_wit
     np.testing.assert_allclose(logged["stability/loss"], ds.loss.values[[1, 3, 5]], rtol=1e-6)
     assert "stability/update_ratio" in metrics and "stability/layer_grad_norm" not in metrics
     assert (log_with == "log_dict") == ("stability/grad_norm" in trainer.callback_metrics)  # for ModelCheckpoint
+
+
+def _watching_controller():
+    from stabstudy.interventions.control import Controller, Skip
+    from stabstudy.online import RobustZ
+
+    return Controller(RobustZ(side="up", window=8, min_periods=2, threshold=1e9), Skip())  # watches, never acts
+
+
+def test_lightning_logs_the_norm_before_clipping_and_the_controllers_decisions(tmp_path):
+    """gradient_clip_val clips inside Lightning's closure: grad_norm is the norm before it; a controller
+    given to the callback attaches through its Monitor, and its channels reach Lightning's loggers."""
+    cb, trainer = _lightning_fit(tmp_path, "clip", max_epochs=2, log_every_n_steps=1, gradient_clip_val=1e-3,
+                                 cb_kwargs={"controller": _watching_controller()})
+    ds = cb.dataset()
+    assert (ds.grad_norm.values > 1e-2).all()
+    np.testing.assert_allclose(ds.grad_norm_applied.values, 1e-3, rtol=1e-3)
+    assert ds.controller_action.values.tolist() == ["none"] * 6 and np.isfinite(ds.controller_score.values[2:]).all()
+    metrics = pd.read_csv(Path(trainer.logger.log_dir) / "metrics.csv")
+    logged = metrics.dropna(subset=["stability/grad_norm"])
+    np.testing.assert_allclose(logged["stability/grad_norm"], ds.grad_norm.values, rtol=1e-6)
+    assert {"stability/controller_score", "stability/controller_alarm", "stability/controller_action/skip",
+            "stability/grad_norm_applied"} <= set(metrics)
+    assert cb.run.controller.optimizer is None  # closed with the Monitor at the end of training
 
 
 def test_lightning_callback_rejects_unknown_log_with():
@@ -329,7 +374,7 @@ def test_lightning_checkpoint_resume_continues_the_run(tmp_path):
 
 
 # -- Hugging Face transformers --------------------------------------------------------------
-def _hf_train(out: Path, max_steps: int, resume: bool = False, **args_kwargs):
+def _hf_train(out: Path, max_steps: int, resume: bool = False, cb_kwargs=None, **args_kwargs):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -343,10 +388,10 @@ def _hf_train(out: Path, max_steps: int, resume: bool = False, **args_kwargs):
     data = [{"input_ids": r, "labels": r} for r in ids]
     # constant lr, no clipping: a run cut at step 3 and resumed is the run of 6 steps
     args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=4,
-                             learning_rate=1e-2, lr_scheduler_type="constant", max_grad_norm=100.0, seed=0,
+                             learning_rate=1e-2, lr_scheduler_type="constant", seed=0,
                              report_to=[], use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-                             **{"logging_steps": 2, "save_steps": 100, **args_kwargs})
-    cb = HFTelemetryCallback()
+                             **{"logging_steps": 2, "save_steps": 100, "max_grad_norm": 100.0, **args_kwargs})
+    cb = HFTelemetryCallback(**(cb_kwargs or {}))
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[cb])
     trainer.train(resume_from_checkpoint=True if resume else None)
     return cb, trainer
@@ -368,6 +413,19 @@ def test_hf_callback_adds_channels_to_the_trainer_logs(tmp_path, monkeypatch):
     summary = trainer.state.log_history[-1]
     assert "train_runtime" in summary and not any(k.startswith("stability/") for k in summary)
     assert cb.monitor is not None and not cb.monitor._handles
+
+
+def test_hf_logs_the_norm_before_clipping_as_the_trainer_does_and_the_controllers_decisions(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cb, trainer = _hf_train(tmp_path / "out", 4, max_grad_norm=1e-3, cb_kwargs={"controller": _watching_controller()})
+    ds = cb.dataset()
+    np.testing.assert_allclose(ds.grad_norm_applied.values, 1e-3, rtol=1e-3)
+    train_logs = [h for h in trainer.state.log_history if "loss" in h]
+    for h in train_logs:
+        assert h["stability/grad_norm"] == pytest.approx(h["grad_norm"], rel=1e-5)  # the Trainer's own, before clipping
+        assert h["stability/grad_norm"] > 1e-2 and h["stability/controller_action/skip"] == 0.0
+        assert h["stability/controller_alarm"] == 0.0
+    assert np.isfinite(train_logs[-1]["stability/controller_score"])  # once its window holds values
 
 
 def test_hf_checkpoint_resume_continues_the_run(tmp_path, monkeypatch):

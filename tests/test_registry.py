@@ -122,7 +122,7 @@ def test_the_instruments_lists_are_the_registrys():
     from stabstudy.learners import lm
     from stabstudy.learners.rl.recorder import RL_CHANNELS
 
-    assert OPT_CHANNELS == ("grad_norm", "xgrad", "update_norm", "update_ratio", "update_grad_cos", "adam_m_norm",
+    assert OPT_CHANNELS == ("grad_norm", "grad_norm_applied", "xgrad", "update_norm", "update_ratio", "update_grad_cos", "adam_m_norm",
                             "adam_v_mean", "adam_eps_frac", "lr")
     assert CURVATURE_CHANNELS[0] == "lambda_max" and "precond_sharpness" in CURVATURE_CHANNELS
     assert lm.PRECISION_CHANNELS == ("nonfinite_grads", "loss_scale", "skipped_step", "lost_update_frac",

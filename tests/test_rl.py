@@ -518,6 +518,33 @@ def test_ppo_controller_acts_on_the_pre_clip_norm_and_files_its_actions():
     assert ds.attrs["controller_detectors"].startswith("RobustZ")
 
 
+@pytest.mark.parametrize("algo", ["ppo", "a2c", "sac"])
+def test_the_norm_before_sb3s_clipping_is_recorded_beside_the_stored_one(algo, monkeypatch):
+    """PPO/A2C clip at max_grad_norm inside train(): grad_norm keeps the norm the optimizer got, as
+    every stored run has it, and grad_norm_raw is the norm clip_grad_norm_ returned (backward()'s);
+    SAC does not clip, so both are equal. SB3's logger gets the Monitor's names."""
+    returned = []
+    clip = torch.nn.utils.clip_grad_norm_
+
+    def spy(*args, **kwargs):
+        n = clip(*args, **kwargs)
+        returned.append(float(n))
+        return n
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", spy)  # SB3 calls th.nn.utils.clip_grad_norm_
+    ds = rl.run(spec(algo, steps=256 if algo != "a2c" else 64))
+    rows = ds.sel(step=ds.step.values[1:])  # row 0: the untrained policy, no update
+    raw, applied = rows.grad_norm_raw.values, rows.grad_norm.values
+    assert np.isfinite(raw).all() and "grad_norm_applied" not in ds
+    if algo == "sac":
+        assert not returned
+        np.testing.assert_allclose(raw, applied, rtol=1e-6)
+        return
+    np.testing.assert_allclose(raw, returned, rtol=1e-5)
+    np.testing.assert_allclose(applied, np.minimum(raw, 0.5), rtol=1e-4)
+    assert (raw > 0.5).any() and np.nanmax(applied) <= 0.5 + 1e-6
+
+
 def test_a_controller_keeps_the_rows_log_every_keeps():
     """Filing its records must not keep every update's row of a thinned (log_every) run."""
     sp = spec("ppo").replace(log_every=4)

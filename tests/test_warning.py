@@ -438,3 +438,15 @@ def test_the_quiet_claim_counts_seeds_not_runs():
     assert meta_state.quiet_claim(study).n == 4
     del study.info["seed"]
     assert meta_state.quiet_claim(study).n == 8
+
+
+def test_before_clip_reads_the_norm_before_clipping_where_a_run_recorded_it():
+    """A clipping learner's stored grad_norm is pinned at the clip (PPO at 0.5): the detectors read
+    grad_norm_raw where a run has it, the stored norm in runs made before it was recorded."""
+    ds = xr.Dataset({"grad_norm": (("run", "step"), [[0.5, 0.5], [1.0, 2.0]], {"units": "grad"}),
+                     "grad_norm_raw": (("run", "step"), [[3.0, np.nan], [np.nan, np.nan]])},
+                    coords={"run": ["new", "old"], "step": [0, 1]})
+    out = E.before_clip(ds)
+    np.testing.assert_array_equal(out.grad_norm.values, [[3.0, np.nan], [1.0, 2.0]])
+    assert out.attrs[E.BEFORE_CLIP_ATTR] == "1 of 2" and out.grad_norm.attrs == {"units": "grad"}
+    assert E.before_clip(ds.drop_vars("grad_norm_raw")).attrs[E.BEFORE_CLIP_ATTR] == "0 of 2"

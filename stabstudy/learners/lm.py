@@ -226,7 +226,7 @@ def run(spec: RunSpec) -> xr.Dataset:
                       or bool(hp["grad_scaler"]) or pert.overrides("autocast_dtype"))
     scaler = precision.make_grad_scaler(device.type, enabled=bool(hp["grad_scaler"]),
                                         growth_interval=int(hp["scaler_growth_interval"]))
-    mon = Monitor(model, opt, every=spec.log_every, sync_every=SYNC_EVERY)
+    mon = Monitor(model, opt, every=spec.log_every, sync_every=SYNC_EVERY, scaler=scaler)
     ctrl = control.from_hparams(hp)  # None unless hparams name one: then the loop runs as before
     if ctrl is not None:
         ctrl.attach(opt, mon)
@@ -335,7 +335,7 @@ def run(spec: RunSpec) -> xr.Dataset:
                 for k, v in vals.items():
                     rec[k][step] = v
     finally:
-        mon_ds = mon.to_dataset()
+        mon_ds = mon.to_dataset(stored=True)
         mon.close()
         if ctrl is not None:
             ctrl.close()

@@ -219,7 +219,7 @@ def run(spec: RunSpec) -> xr.Dataset:
                     tl = float(torch.nn.functional.mse_loss(model(x_test), y_test))
                 rec["test_loss"][step], rec["perf"][step] = tl, -tl
     finally:
-        mds = mon.to_dataset()
+        mds = mon.to_dataset(stored=True)
         mon.close()
     steps_done = np.arange(done)
     ds = xr.Dataset({k: ("step", v[:done]) for k, v in rec.items()},

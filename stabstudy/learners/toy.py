@@ -250,7 +250,7 @@ def run(spec: RunSpec) -> xr.Dataset:
             if probe is not None:
                 probe()
     finally:
-        mds = mon.to_dataset()
+        mds = mon.to_dataset(stored=True)
         mon.close()
         if ctrl is not None:
             ctrl.close()

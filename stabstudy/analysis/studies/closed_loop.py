@@ -54,6 +54,7 @@ from stabstudy.analysis import claims as C
 from stabstudy.analysis import power as PW
 from stabstudy.analysis.plan import Planned
 from stabstudy.analysis.studies import lm_spikes, rl_comparison
+from stabstudy.analysis.warning.evaluation import before_clip
 from stabstudy.hparams import field_docs
 from stabstudy.online import RobustZ, WindowZ, ZClipZ
 from stabstudy.spec import Perturbation, RunSpec
@@ -278,8 +279,10 @@ def calibrate(ds: xr.Dataset, runs: Sequence[str], budget: float, window: int = 
     small must not make a rule more trigger-happy than its authors' default. Returns one row per
     detector: threshold, ``calibrated`` (before the floor), steps, alarms allowed, and the run and
     step of the score that set ``calibrated`` (``set_by_run``, ``set_by_step``): with few steps
-    one excursion of an unperturbed run can set it."""
+    one excursion of an unperturbed run can set it. The rules judge the gradient norm before
+    clipping, as the live controllers do (:func:`~stabstudy.analysis.warning.evaluation.before_clip`)."""
     floor = floor or PUBLISHED
+    ds = before_clip(ds)
     scores: dict[str, list[pd.Series]] = {k: [] for k in ("z", "olmo", "zclip")}
     for r in runs:
         sc = replay_scores(ds.grad_norm.sel(run=r).values, ds.loss.sel(run=r).values, window)

@@ -119,6 +119,27 @@ def suite(kinds: Sequence[str], meta_features: Sequence[str], *, olmo_window: in
     return specs
 
 
+#: The attribute :func:`before_clip` says how many runs it changed in.
+BEFORE_CLIP_ATTR = "grad_norm_before_clip"
+
+
+def before_clip(ds: xr.Dataset) -> xr.Dataset:
+    """``ds`` (dimension ``run``) with ``grad_norm`` as ``backward()`` produced it, before clipping,
+    where a run recorded it (``grad_norm_raw``), so that the detectors judge what OLMo's and ZClip's
+    rules judge: a learner's stored ``grad_norm`` is the norm its optimizer received, pinned at the
+    clip value where it clips (PPO/A2C at stable-baselines3's ``max_grad_norm``). Runs stored before
+    ``grad_norm_raw`` was recorded keep their ``grad_norm``; ``attrs[BEFORE_CLIP_ATTR]`` says how
+    many runs read the norm before clipping ("k of n")."""
+    n = ds.sizes.get("run", 1)
+    if "grad_norm_raw" not in ds:
+        return ds.assign_attrs({BEFORE_CLIP_ATTR: f"0 of {n}"})
+    raw = ds["grad_norm_raw"]
+    has = raw.notnull().any("step")
+    out = ds.assign(grad_norm=xr.where(has, raw, ds["grad_norm"], keep_attrs=True))
+    out["grad_norm"].attrs = dict(ds["grad_norm"].attrs)
+    return out.assign_attrs({BEFORE_CLIP_ATTR: f"{int(has.sum())} of {n}"})
+
+
 def _channels(ds: xr.Dataset, run: str, names: set[str]) -> dict[str, np.ndarray]:
     return {c: np.asarray(ds[c].sel(run=run).values, dtype=float) for c in names if c in ds}
 

@@ -4,8 +4,10 @@ Needs ``transformers`` and ``accelerate`` (``pip install 'stabstudy[hf]'``). At 
 the callback attaches a :class:`~stabstudy.instruments.telemetry.Monitor` to the optimizer the
 Trainer built (unwrapped from accelerate's ``AcceleratedOptimizer``): the Monitor's own step hooks
 record every update, so no per-step callback work is needed (``on_optimizer_step`` stays unused).
-``grad_norm`` is the norm of the gradient the optimizer applies, i.e. after ``max_grad_norm``
-clipping; the Trainer's own ``grad_norm`` log is the norm before it.
+``grad_norm`` is the norm backward() produced, before ``max_grad_norm`` clipping (accelerate's fp16
+scaler's scale divided out), as the Trainer's own ``grad_norm`` log; ``grad_norm_applied`` the norm
+of the gradient the optimizer applies. A ``controller`` attaches through the Monitor when training
+starts: its score, alarm and action go to the logs with the rest.
 
 Logging: at each ``on_log`` of training (``logging_steps``), the latest update's channels are
 added to the Trainer's ``logs`` as ``stability/<channel>`` (and to the entry just appended to
@@ -56,6 +58,8 @@ class HFTelemetryCallback(TrainerCallback):
         prefix: name prefix of the logged channels.
         resume_from: checkpoint folder to restore the telemetry from when training resumes
             (default: ``<output_dir>/checkpoint-<global_step>``, where the Trainer writes them).
+        controller: an unattached :class:`~stabstudy.interventions.control.Controller` (or ``OlmoSkip``)
+            for the Trainer's optimizer, attached through the Monitor when training starts.
         **monitor_kwargs: further :class:`~stabstudy.instruments.telemetry.Monitor` arguments (``writer``).
 
     Example::
@@ -67,8 +71,9 @@ class HFTelemetryCallback(TrainerCallback):
     """
 
     def __init__(self, every: int = 1, per_layer: bool = False, sync_every: int = 64, prefix: str = "stability/",
-                 resume_from: str | Path | None = None, **monitor_kwargs: Any):
+                 resume_from: str | Path | None = None, controller: Any = None, **monitor_kwargs: Any):
         self.prefix = prefix
+        self.controller = controller
         self.resume_from = resume_from
         self.run = RunSegments(every=every, per_layer=per_layer, sync_every=sync_every, **monitor_kwargs)
 
@@ -102,7 +107,8 @@ class HFTelemetryCallback(TrainerCallback):
             warnings.warn("HFTelemetryCallback: the Trainer passed no torch optimizer; nothing is recorded",
                           stacklevel=2)
             return
-        self.run.attach(model, opt)
+        # the Trainer's fp16 GradScaler: accelerate's optimizer wrapper holds it (None otherwise)
+        self.run.attach(model, opt, scaler=getattr(optimizer, "scaler", None), controller=self.controller)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, Any] | None = None, **kwargs: Any) -> None:

@@ -4,8 +4,11 @@ Needs ``lightning`` (``pip install 'stabstudy[lightning]'``). The callback attac
 :class:`~stabstudy.instruments.telemetry.Monitor` to the optimizers the Trainer built when
 training starts. Lightning calls ``optimizer.step(closure)`` with the closure that runs the
 forward and backward passes (and gradient clipping): the Monitor's own step hooks read the
-gradient right after that closure, so the callback needs no pre-step hook of its own, and
-``grad_norm`` is the norm of the gradient the optimizer applies (after clipping).
+gradient right after that closure, so the callback needs no pre-step hook of its own;
+``grad_norm`` is the norm the closure's backward pass produced, before Lightning's gradient
+clipping (``gradient_clip_val``) and with a ``16-mixed`` scaler's scale divided out, and
+``grad_norm_applied`` the norm of the gradient the optimizer applies. A ``controller`` attaches
+through the Monitor when training starts: its score, alarm and action go to the logs with the rest.
 
 Logging: at the steps Lightning writes its logs (``log_every_n_steps``), the channels of the
 latest update go as ``stability/<channel>`` to every logger the Trainer has; only then is the row
@@ -53,6 +56,8 @@ class LightningTelemetryCallback(pl.Callback):
             ``loss`` channel of the update it led to (with gradient accumulation: the last micro-batch's).
         log_with: ``"log_dict"`` (through ``pl_module.log_dict``: Lightning's callbacks see the
             channels) or ``"loggers"`` (straight to ``trainer.loggers``: cheaper); ``None``: not logged.
+        controller: an unattached :class:`~stabstudy.interventions.control.Controller` (or ``OlmoSkip``)
+            for the Trainer's (first) optimizer, attached through the Monitor when training starts.
         **monitor_kwargs: further :class:`~stabstudy.instruments.telemetry.Monitor` arguments (``writer``).
 
     Example::
@@ -63,8 +68,10 @@ class LightningTelemetryCallback(pl.Callback):
     """
 
     def __init__(self, every: int = 1, per_layer: bool = False, sync_every: int = 64, prefix: str = "stability/",
-                 log_loss: bool = True, log_with: str | None = "log_dict", **monitor_kwargs: Any):
+                 log_loss: bool = True, log_with: str | None = "log_dict", controller: Any = None,
+                 **monitor_kwargs: Any):
         super().__init__()
+        self.controller = controller
         if log_with not in ("log_dict", "loggers", None):
             raise ValueError(f"log_with must be 'log_dict', 'loggers' or None, got {log_with!r}")
         self.prefix = prefix
@@ -92,7 +99,9 @@ class LightningTelemetryCallback(pl.Callback):
         opts = list(trainer.optimizers)
         if not opts:
             return
-        self.run.attach(pl_module, opts[0] if len(opts) == 1 else opts)
+        # the scaler of Lightning's "16-mixed" precision (its plugin holds it), None otherwise
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.run.attach(pl_module, opts[0] if len(opts) == 1 else opts, scaler=scaler, controller=self.controller)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

@@ -43,6 +43,7 @@ class RunSegments:
     def __init__(self, **monitor_kwargs: Any):
         self.monitor_kwargs = monitor_kwargs
         self.monitor: Monitor | None = None
+        self.controller: Any = None  #: the controller attached through the live Monitor, if any
         self.offset = 0  # rows before the live Monitor's first (restored from a checkpoint)
         self._prior: xr.Dataset | None = None
         self._last_seen = -1  # the live Monitor's last row handed out by new_row()
@@ -52,14 +53,25 @@ class RunSegments:
         self.close()
         self.monitor, self.offset, self._prior, self._last_seen = None, 0, None, -1
 
-    def attach(self, model: Any, optimizers: Any) -> Monitor:
+    def attach(self, model: Any, optimizers: Any, *, scaler: Any = None, controller: Any = None) -> Monitor:
         """Start recording ``optimizers`` (one, a list or a dict, as :class:`Monitor` takes) after
-        the rows already held; a Monitor still attached is closed and its rows kept first."""
+        the rows already held; a Monitor still attached is closed and its rows kept first.
+        ``scaler``: the framework's GradScaler (unless the Monitor's arguments name one);
+        ``controller``: attached through the new Monitor to the (first) optimizer, so that its
+        decisions are channels of the rows (it is closed with the Monitor)."""
         if self.monitor is not None:
             self._prior, self.offset = self._whole(), self.rows
-            self.monitor.close()
-        self.monitor = Monitor(model, optimizers, **self.monitor_kwargs)
+            self.close()
+        kwargs = dict(self.monitor_kwargs)
+        if scaler is not None:
+            kwargs.setdefault("scaler", scaler)
+        self.monitor = Monitor(model, optimizers, **kwargs)
         self._last_seen = -1
+        self.controller = controller
+        if controller is not None:
+            opt = optimizers if isinstance(optimizers, torch.optim.Optimizer) else \
+                next(iter(optimizers.values() if isinstance(optimizers, Mapping) else optimizers))
+            controller.attach(opt, self.monitor)
         return self.monitor
 
     @property
@@ -82,7 +94,9 @@ class RunSegments:
         return {k: v for k, v in self.monitor.row().items() if not math.isnan(v)}
 
     def close(self) -> None:
-        """Close the live Monitor (its rows stay readable)."""
+        """Close the live Monitor and its controller (the rows stay readable)."""
+        if self.controller is not None:
+            self.controller.close()
         if self.monitor is not None:
             self.monitor.close()
 
@@ -125,8 +139,9 @@ def dataset_to_state(ds: xr.Dataset) -> dict[str, Any]:
     if "layer" in ds.coords:
         coords["layer"] = [str(x) for x in ds.layer.values]
     data = {name: {"dims": list(da.dims), "attrs": _plain(da.attrs),
-                   "values": torch.tensor(np.asarray(da.values, dtype=np.float64))}
-            for name, da in ds.data_vars.items()}
+                   **({"strings": [str(x) for x in da.values.tolist()]} if da.dtype.kind in "US" else
+                      {"values": torch.tensor(np.asarray(da.values, dtype=np.float64))})}
+            for name, da in ds.data_vars.items()}  # strings: a Controller's action names
     return {"coords": coords, "data_vars": data, "attrs": _plain(ds.attrs)}
 
 
@@ -137,7 +152,8 @@ def dataset_from_state(state: Mapping[str, Any]) -> xr.Dataset:
     coords: dict[str, Any] = {"step": ("step", state["coords"]["step"].numpy(), {"long_name": "optimizer update index"})}
     if "layer" in state["coords"]:
         coords["layer"] = ("layer", np.array(state["coords"]["layer"], dtype=str))
-    data = {name: (tuple(v["dims"]), v["values"].numpy(), dict(v["attrs"])) for name, v in state["data_vars"].items()}
+    data = {name: (tuple(v["dims"]), np.array(v["strings"], dtype=str) if "strings" in v else v["values"].numpy(),
+                   dict(v["attrs"])) for name, v in state["data_vars"].items()}
     return xr.Dataset(data, coords=coords, attrs=dict(state["attrs"]))
 
 
@@ -153,7 +169,7 @@ def concat_steps(first: xr.Dataset, then: xr.Dataset) -> xr.Dataset:
             fill = {}
             for k, v in missing.items():
                 shape = tuple(parts[a].sizes[d] if d in parts[a].dims else v.sizes[d] for d in v.dims)
-                fill[k] = (v.dims, np.full(shape, np.nan), v.attrs)
+                fill[k] = (v.dims, np.full(shape, "") if v.dtype.kind in "US" else np.full(shape, np.nan), v.attrs)
             parts[a] = parts[a].assign(fill)
     # float64 NaN fills keep every channel float64; attrs from the first (same Monitor settings)
     return xr.concat(parts, dim="step", join="outer", fill_value=np.nan, combine_attrs="override")

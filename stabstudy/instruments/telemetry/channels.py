@@ -45,6 +45,7 @@ class HostField(IntEnum):
     BC2 = 6  #: Adam's bias correction 1 - beta2^t still to apply to DevField.VSUM (divided by BC2)
     N = 7  #: coordinates of the Adam state read
     SLOT = 8  #: the gradient slot of a measured step (see DevField)
+    RAW = 9  #: 1 where DevField.RAW holds the norm the gradient had before the step's changes (clipping, ...)
 
 
 class Kind(IntEnum):
@@ -66,14 +67,17 @@ class DevField(IntEnum):
     ``HostField.SLOT``.
     """
 
-    G2 = 0  #: ||g||^2 of the true gradient (a loss scale is divided out on the device)
+    G2 = 0  #: ||g||^2 of the true gradient the optimizer receives (a loss scale is divided out on the device)
     GPG = 1  #: g . g_prev
     W2 = 2  #: ||w_before||^2
-    NUG = 3  #: -u . g
-    U2 = 4  #: ||u||^2
-    M2 = 5  #: ||m||^2 (Adam, before bias correction unless HostField.BC1 is 1)
-    VSUM = 6  #: sum(v)
-    NBELOW = 7  #: #(v < eps^2 bc2)
+    #: ||g||^2 as the last backward pass left it, unscaled, where something changed the gradient
+    #: before the step (:mod:`.backward`; HostField.RAW says where it is written)
+    RAW = 3
+    NUG = 4  #: -u . g
+    U2 = 5  #: ||u||^2
+    M2 = 6  #: ||m||^2 (Adam, before bias correction unless HostField.BC1 is 1)
+    VSUM = 7  #: sum(v)
+    NBELOW = 8  #: #(v < eps^2 bc2)
 
 
 NH = len(HostField)
@@ -128,7 +132,12 @@ class PreStepStats:
 
     name: str  #: the optimizer's name in the Monitor
     step: int  #: the row this update is recorded in
-    grad_norm: torch.Tensor  #: 0-d tensor on the gradient's device (float64 for a float64 model, else float32): the global gradient norm
+    #: 0-d tensor on the gradient's device (float64 for a float64 model, else float32): the global norm
+    #: of the gradient as ``backward()`` produced it, before clipping (the row's ``grad_norm``)
+    grad_norm: torch.Tensor
+    #: the same for the gradient the optimizer is about to receive, after any clipping (the row's
+    #: ``grad_norm_applied``; what an action that rescales the gradient starts from)
+    grad_norm_applied: torch.Tensor
 
     def grad_norm_float(self) -> float:
         """``grad_norm`` as a Python float (a host sync on a GPU)."""
@@ -160,7 +169,10 @@ def derive(H: np.ndarray, D: np.ndarray, gp2: np.ndarray, lr_field: int = HostFi
         nan = np.full(len(H), np.nan)
         out = {ch: nan for ch in OPT_CHANNELS}
         with_g = kind >= Kind.GRAD
-        out["grad_norm"] = np.where(with_g.any(1), np.sqrt(tot(D[..., DevField.G2], with_g)), nan)
+        some = with_g.any(1)
+        raw = np.where(H[..., HostField.RAW] == 1.0, D[..., DevField.RAW], D[..., DevField.G2])
+        out["grad_norm"] = np.where(some, np.sqrt(tot(raw, with_g)), nan)
+        out["grad_norm_applied"] = np.where(some, np.sqrt(tot(D[..., DevField.G2], with_g)), nan)
         full = kind >= Kind.FULL
         g2, u2, w2 = (tot(D[..., f], full) for f in (DevField.G2, DevField.U2, DevField.W2))
         ug = -tot(D[..., DevField.NUG], full)

@@ -4,17 +4,37 @@
 through ``register_step_pre_hook`` / ``register_step_post_hook``, so a training
 loop needs no extra calls to record, per update:
 
-=================== ==========================================================
-``grad_norm``       global L2 norm of the gradient (every step)
-``xgrad``           gradient-direction coherence cos(g_t, g_{t-1})
-``update_norm``     L2 norm of the applied update u = w_after - w_before
-``update_ratio``    ||u|| / ||w_before||
-``update_grad_cos`` cos(u, -g) (Molybog et al. 2023: -> 0 before Adam divergence)
-``adam_m_norm``     ||m_hat||, bias-corrected Adam first moment
-``adam_v_mean``     mean of v_hat, bias-corrected Adam second moment
-``adam_eps_frac``   fraction of coordinates with sqrt(v_hat) < eps (bias-corrected)
-``lr``              param_groups[0]['lr'] of the primary optimizer at the step
-=================== ==========================================================
+===================== ========================================================
+``grad_norm``         global L2 norm of the gradient as ``backward()`` produced it: before
+                      clipping, unscaled, the whole accumulated gradient (every step)
+``grad_norm_applied`` the same for the gradient the optimizer received (after clipping)
+``xgrad``             gradient-direction coherence cos(g_t, g_{t-1})
+``update_norm``       L2 norm of the applied update u = w_after - w_before
+``update_ratio``      ||u|| / ||w_before||
+``update_grad_cos``   cos(u, -g) (Molybog et al. 2023: -> 0 before Adam divergence)
+``adam_m_norm``       ||m_hat||, bias-corrected Adam first moment
+``adam_v_mean``       mean of v_hat, bias-corrected Adam second moment
+``adam_eps_frac``     fraction of coordinates with sqrt(v_hat) < eps (bias-corrected)
+``lr``                param_groups[0]['lr'] of the primary optimizer, as the step applied it
+===================== ========================================================
+
+The gradient before clipping, the learning rate applied
+--------------------------------------------------------
+Clipping (``clip_grad_norm_`` between ``backward()`` and ``step()``) would pin a norm read at the
+step to the clip value: ``grad_norm`` is read where ``backward()`` left the gradient
+(:mod:`.backward`: one read of the gradient per backward pass, no host sync), as the Hugging Face
+Trainer logs it and ZClip and OLMo's spike rules judge it; ``grad_norm_applied`` is the norm the
+optimizer received. Where nothing changed the gradient in between, both are the step's own norm.
+Under a ``torch.amp.GradScaler`` pass ``scaler=``: ``backward()`` left the gradient scaled, and
+its scale is divided out on the device (an optimizer that unscales inside its step, fused Adam,
+tells its scale itself). ``before_clip=False`` reads the gradient at the step only
+(``grad_norm`` is then ``grad_norm_applied``).
+
+``lr`` is read once every pre-step hook has run: the Monitor's own (:meth:`Monitor.add_pre_step_hook`,
+a :class:`~stabstudy.interventions.control.Controller` attached through it), then, when another
+pre-hook was registered on the optimizer after the Monitor's (a Controller attached to the
+optimizer directly), in the Monitor's post-hook, which runs before that hook's post-hook restores
+the rate.
 
 Rows and the ``step`` coordinate
 --------------------------------
@@ -74,6 +94,7 @@ from torch.utils.hooks import RemovableHandle
 from stabstudy import registry
 from stabstudy.instruments.telemetry import sharded, sketch, stats
 from stabstudy.instruments.telemetry.adam import adam_stats
+from stabstudy.instruments.telemetry.backward import BackwardRead, BackwardWatch, read_g2
 from stabstudy.instruments.telemetry.channels import (
     LAYER_PARTS,
     NAN,
@@ -92,7 +113,7 @@ from stabstudy.instruments.telemetry.channels import (
 )
 from stabstudy.instruments.telemetry.layers import LayerIndex
 from stabstudy.instruments.telemetry.sink import WriterSink
-from stabstudy.instruments.telemetry.state import OptState, as_float
+from stabstudy.instruments.telemetry.state import OptState, as_float, stat_dtype
 from stabstudy.instruments.telemetry.table import Block, HostCopies, LogStage, Table
 
 
@@ -120,6 +141,10 @@ class Monitor:
             ``update_norm`` are estimates (:mod:`~stabstudy.instruments.telemetry.sketch`).
         sketch_dim: k, a power of two (``memory="sketch"``): standard error ~1/sqrt(k) on a cosine.
         sketch_seed: seed of the sketch's random signs (each optimizer adds its index).
+        before_clip: record ``grad_norm`` as ``backward()`` left the gradient, before clipping
+            (one read of the gradient per backward pass; see the module docstring); False: at the step.
+        scaler: the loop's ``torch.amp.GradScaler``, whose scale ``backward()`` left in the gradient
+            (divided out of ``grad_norm`` where the gradient was unscaled before the step).
 
     Adam channels are read from ``optimizer.state[p]["exp_avg"|"exp_avg_sq"|"step"]``
     (Adam, AdamW, and any optimizer storing the same keys) and are bias-corrected:
@@ -128,10 +153,11 @@ class Monitor:
 
     Pre-step view: :meth:`add_pre_step_hook` registers ``fn(optimizer, stats)``, called inside
     the optimizer's step pre-hook once the Monitor has read the gradient and before the
-    update lands, with a :class:`PreStepStats` (``stats.grad_norm``: a 0-d device tensor, the
-    norm this row records as ``grad_norm`` for that optimizer; ``stats.grad_norm_float()``
-    syncs only when called). A controller can skip or scale the step there, e.g. by scaling
-    the gradients in place; the row records the gradient as it was read.
+    update lands, with a :class:`PreStepStats` (``stats.grad_norm`` and ``stats.grad_norm_applied``:
+    0-d device tensors, what this row records as ``grad_norm`` and ``grad_norm_applied`` for that
+    optimizer; ``stats.grad_norm_float()`` syncs only when called). A controller can skip or scale
+    the step there, e.g. by scaling the gradients in place; the row records the gradient as it
+    was read, and the learning rate as the step applies it (read after these hooks).
 
     Example::
 
@@ -144,7 +170,7 @@ class Monitor:
 
     def __init__(self, model: Any, optimizer: Any, *, every: int = 1, per_layer: bool = False,
                  sync_every: int = 64, writer: Any = None, memory: str = "exact", sketch_dim: int = 4096,
-                 sketch_seed: int = 0):
+                 sketch_seed: int = 0, before_clip: bool = True, scaler: Any = None):
         for name, v in (("every", every), ("sync_every", sync_every)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -181,14 +207,23 @@ class Monitor:
         # an OrderedDict: RemovableHandle keeps a weak reference to it
         self._pre_step_hooks: OrderedDict[int, Callable[[torch.optim.Optimizer, PreStepStats], Any]] = OrderedDict()
         self._cost = [0.0, -1.0, -1.0, 0]  # see cost(); a list: the hooks update it in place
+        if scaler is not None and not callable(getattr(scaler, "_get_scale_async", None)):
+            raise TypeError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.scaler = scaler
         for st in self._opts:
             pre_hook, post_hook = self._make_hooks(st)
-            self._handles += [st.opt.register_step_pre_hook(pre_hook), st.opt.register_step_post_hook(post_hook)]
+            pre = st.opt.register_step_pre_hook(pre_hook)
+            st.pre_id = pre.id
+            self._handles += [pre, st.opt.register_step_post_hook(post_hook)]
+        self.before_clip = bool(before_clip)
+        self._watch = BackwardWatch((p for st in self._opts for g in st.opt.param_groups for p in g["params"]),
+                                    self._read_backward) if self.before_clip else None
         self._step = -1  # index of the current row (-1 before the first update)
         self._stepped: set[int] = set()
         self._host = Table((len(self._opts), NH))  # row -> optimizer -> host fields (HostField)
         self._dev = Table((len(self._opts), ND))  # row -> optimizer -> device fields (DevField), as copied
         self._logged: dict[str, Table] = {}  # logged scalars by name, in order of appearance
+        self._names: dict[str, dict[int, str]] = {}  # logged channels whose codes name something (name_codes)
         self._arrived = [0] * len(self._opts)  # per optimizer: its device rows before this one are on the host
         self._copies = HostCopies()
         self._staged = LogStage(self._copies, self._put_logged, capacity=4 * sync_every)
@@ -229,6 +264,24 @@ class Monitor:
             else:
                 self._put_logged(s, k, NAN if v is None else as_float(v))
 
+    def name_codes(self, channel: str, names: Mapping[int, str]) -> None:
+        """Say what the integer codes logged as ``channel`` name (a Controller's actions): ``to_dataset``
+        gives that channel as strings ("" where nothing was logged), and the writers and :meth:`row`
+        one 0/1 series ``<channel>/<name>`` per name but that of code 0 (0: what nothing happening is called)."""
+        self._names[channel] = {int(k): str(v) for k, v in names.items()}
+
+    def _named(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` (channel -> values of some rows) with each named channel as its 0/1 series per name."""
+        for ch, names in self._names.items():
+            if ch not in out:
+                continue
+            codes = np.asarray(out.pop(ch), dtype=np.float64)
+            for code, name in names.items():
+                if code:
+                    series = np.where(np.isnan(codes), np.nan, (codes == code).astype(np.float64))
+                    out[f"{ch}/{name}"] = series if series.ndim else float(series)
+        return out
+
     def microbatch_coherence(self, grads: Sequence[Sequence[torch.Tensor] | torch.Tensor],
                              step: int | None = None) -> float:
         """Compute :func:`gradient_coherence` of K microbatch gradients, log it as
@@ -254,6 +307,8 @@ class Monitor:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._watch is not None:
+            self._watch.remove()
         for st in self._opts:
             st.free()
 
@@ -279,26 +334,29 @@ class Monitor:
         for k, col in self._logged.items():
             if s < col.n and col.m[s]:
                 out[k] = float(col.a[s])
-        return out
+        return self._named(out)
 
-    def grad_norm(self, step: int | None = None) -> float:
-        """Global gradient norm of row ``step`` (default: the current one), cheaply: read from
-        the device block where the row still is (no other channel is derived, nothing else is
-        copied; a host sync on a GPU); NaN where no optimizer recorded a gradient."""
+    def grad_norm(self, step: int | None = None, *, applied: bool = False) -> float:
+        """``grad_norm`` of row ``step`` (default: the current one; ``applied``: ``grad_norm_applied``),
+        cheaply: read from the device block where the row still is (no other channel is derived,
+        nothing else is copied; a host sync on a GPU); NaN where no optimizer recorded a gradient."""
         s = self._step if step is None else int(step)
         if not 0 <= s < self._host.n:
             return NAN
         g2, seen = 0.0, False
         H = self._host.a[s]  # learners check it after every update: no fancy indexing, no tensor indexing
-        for st, kind, slot in zip(self._opts, H[:, HostField.KIND].tolist(), H[:, HostField.SLOT].tolist(), strict=True):
+        for st, kind, slot, raw in zip(self._opts, H[:, HostField.KIND].tolist(), H[:, HostField.SLOT].tolist(),
+                                       H[:, HostField.RAW].tolist(), strict=True):
             if not kind >= Kind.GRAD:  # also NaN: the optimizer did not step in this row
                 continue
             seen, blk = True, st.block
+            field = DevField.RAW if raw == 1.0 and not applied else DevField.GPG if slot == 1.0 else DevField.G2
             if blk is not None and blk.base <= s < blk.base + blk.used:
-                g2 += blk.value(s, DevField.GPG if slot == 1.0 else DevField.G2)
+                g2 += blk.value(s, field)
             else:
                 self._copies.drain(wait=True)
-                g2 += float(self._dev.rows(s + 1)[0][s, st.index, DevField.G2])
+                g2 += float(self._dev.rows(s + 1)[0][s, st.index, DevField.RAW if field == DevField.RAW
+                                                     else DevField.G2])
         return math.sqrt(g2) if seen else NAN
 
     def channels(self) -> list[str]:
@@ -329,14 +387,21 @@ class Monitor:
         for name, col in self._logged.items():
             vals, m = col.rows(end)
             out[name] = np.where(m[start:end], vals[start:end], out.get(name, NAN))
-        return end, out
+        return end, self._named(out)
 
-    def to_dataset(self):
-        """All rows as an ``xarray.Dataset`` with dimension ``step`` (float64 channels).
+    def to_dataset(self, *, stored: bool = False):
+        """All rows as an ``xarray.Dataset`` with dimension ``step`` (float64 channels; those of
+        :meth:`name_codes`, such as a Controller's ``controller_action``, as strings).
 
         Optimizer channels are present (NaN) even before any update, so the schema
         does not depend on what happened. A logged scalar named like a channel
         replaces the computed value where it was logged.
+
+        ``stored``: the schema of the learners' stored runs, whose channels keep their meaning
+        across versions: ``grad_norm`` (and ``grad_norm_<optimizer>``) is the norm the optimizer
+        received, as it always was there (``grad_norm_applied``'s values), the norm before clipping
+        is ``grad_norm_raw``, and the channels a Controller logs are left out (a learner stores
+        its records itself).
         """
         import xarray as xr
 
@@ -355,7 +420,11 @@ class Monitor:
             if ch in logged:
                 a, m = logged[ch]
                 arr = np.where(m[steps], a[steps], arr)
-            data_vars[ch] = ("step", np.asarray(arr, dtype=np.float64), self._attrs(ch))
+            arr = np.asarray(arr, dtype=np.float64)
+            if ch in self._names:
+                names = self._names[ch]
+                arr = np.array([names.get(int(c), str(int(c))) if c == c else "" for c in arr.tolist()], dtype=str)
+            data_vars[ch] = ("step", arr, self._attrs(ch))
         coords: dict[str, Any] = {"step": ("step", steps, {"long_name": "optimizer update index"})}
         if self._li is not None and self._li.names:
             g, u, w = (self._li.tables[p].rows(n)[0][steps] for p in LAYER_PARTS)
@@ -364,10 +433,27 @@ class Monitor:
             for ch, arr in (("layer_grad_norm", g), ("layer_update_ratio", ratio)):
                 data_vars[ch] = (("step", "layer"), arr, self._attrs(ch))
             coords["layer"] = ("layer", np.array(self._li.names, dtype=str))
+        if stored:
+            data_vars = self._stored(data_vars)
         attrs: dict[str, Any] = {"monitor_every": self.every}
         if self.world_size > 1:
             attrs.update(monitor_rank=self.rank, monitor_world_size=self.world_size)
         return xr.Dataset(data_vars, coords=coords, attrs=attrs)
+
+    def _stored(self, data_vars: dict[str, tuple]) -> dict[str, tuple]:
+        """``data_vars`` of :meth:`to_dataset` in the learners' stored schema (its ``stored``)."""
+        control = set(registry.channel_names(source="control"))
+        out = {}
+        for name, var in data_vars.items():
+            if name in control or name.startswith("grad_norm_applied"):
+                continue
+            if name == "grad_norm":
+                out["grad_norm_raw"] = (var[0], var[1], self._attrs("grad_norm_raw"))
+            if name == "grad_norm" or (name.startswith("grad_norm_") and f"grad_norm_applied{name[9:]}" in data_vars):
+                applied = data_vars[f"grad_norm_applied{name[9:]}"]
+                var = (var[0], applied[1], var[2])
+            out[name] = var
+        return out
 
     def to_frame(self, *, dropna: bool = False):
         """:meth:`to_dataset` as a long pandas DataFrame (step, channel, layer, value): see :func:`.frame.to_frame`."""
@@ -516,6 +602,7 @@ class Monitor:
             spent(t0)
             if self._pre_step_hooks:
                 self._run_pre_step_hooks(st)
+            self._read_lr(st, late=False)
 
         def post_hook(optimizer, args, kwargs):
             t0 = clock()
@@ -524,6 +611,8 @@ class Monitor:
                 if cur.pending is not None and not cur.pending[0]:  # the step never called its closure
                     self._skip(st)
                 cur.pending = None
+                if cur.lr_late:
+                    self._read_lr(st, late=True)
                 if cur.measuring:  # else the pre-hook recorded the row
                     stats.without_grad(self._post, st)
                 cur.params, cur.stepped = [], []
@@ -532,11 +621,73 @@ class Monitor:
         return pre_hook, post_hook
 
     def _run_pre_step_hooks(self, st: OptState) -> None:
-        if st.cur.g2 is None:  # no gradient read (the optimizer steps no parameter)
+        cur = st.cur
+        if cur.g2 is None:  # no gradient read (the optimizer steps no parameter)
             return
-        seen = PreStepStats(name=st.name, step=self._step, grad_norm=st.cur.g2.sqrt())
+        applied = cur.g2.sqrt()
+        seen = PreStepStats(name=st.name, step=self._step, grad_norm=applied if cur.raw is None else cur.raw.sqrt(),
+                            grad_norm_applied=applied)
         for fn in list(self._pre_step_hooks.values()):
             fn(st.opt, seen)
+
+    def _read_lr(self, st: OptState, late: bool) -> None:
+        """Record the learning rates of ``st``'s step in the current row: now, once the pre-step
+        hooks ran, or (``late=False`` while a pre-hook registered after the Monitor's may still
+        change them) in the post-hook, before that hook's own post-hook restores them."""
+        cur = st.cur
+        if not late:
+            hooks = st.opt._optimizer_step_pre_hooks
+            if hooks and next(reversed(hooks)) != st.pre_id:
+                cur.lr_late = True
+                return
+        cur.lr_late = False
+        rec, b = self._host.flat(self._step), (self._step * len(self._opts) + st.index) * NH
+        rec[b + HostField.LR] = lr = as_float(st.opt.param_groups[0]["lr"])
+        rec[b + HostField.LRP] = lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
+
+    def _read_backward(self) -> None:
+        """The end of a backward pass (:class:`~.backward.BackwardWatch`): each optimizer's gradient
+        as the pass left it, read once on the device (not for sharded, sparse or complex gradients)."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        was = torch.is_grad_enabled()
+        torch.set_grad_enabled(False)  # a create_graph gradient must not be recorded
+        try:
+            for st in self._opts:
+                params = st.stepped_params()
+                if not params:
+                    st.bw = None
+                    continue
+                ids = tuple(map(id, params))
+                grads = [p.grad for p in params]
+                if ids != st.special_key:
+                    stats.check_params(st, params, grads, ids, self._li is not None, self._sketch)
+                if st.group is not None or st.special:
+                    st.bw = None
+                    continue
+                g0, dtype, old = grads[0], stat_dtype(params), st.bw
+                buf = old.g2 if old is not None and old.g2.dtype is dtype and old.g2.device == g0.device else \
+                    torch.zeros((), dtype=dtype, device=g0.device)
+                read_g2(grads, buf)
+                st.bw = BackwardRead(buf, grads, [g._version for g in grads])
+        finally:
+            torch.set_grad_enabled(was)
+        self._cost[0] += time.perf_counter() - t0
+
+    def _put_raw(self, st: OptState, dv: list[torch.Tensor], raw: torch.Tensor, rec: memoryview, b: int) -> None:
+        """Record ``raw`` (||g||^2 as the backward pass left it) in the row, with a loss scale divided out:
+        the optimizer's own (it unscales inside its step) or the ``scaler``'s."""
+        out = dv[DevField.RAW]
+        out.copy_(raw)
+        inv = st.cur.inv
+        if inv is None and self.scaler is not None and self.scaler.is_enabled():
+            scale = self.scaler._get_scale_async()
+            inv = None if scale is None else scale.detach().to(out.device, out.dtype).reciprocal()
+        if inv is not None:
+            out.mul_(inv * inv)
+        rec[b + HostField.RAW] = 1.0
+        st.cur.raw = out
 
     def _skip(self, st: OptState) -> None:
         """An update the Monitor does not see: counted (``step`` stays the update index), nothing read."""
@@ -562,6 +713,7 @@ class Monitor:
                 cost[0] += clock() - t0
                 if self._pre_step_hooks:
                     self._run_pre_step_hooks(st)
+                self._read_lr(st, late=False)
             return loss
 
         if len(args) > 1:
@@ -583,13 +735,12 @@ class Monitor:
         # (TD3's delayed actor steps on every other row: by rows it would never be measured at
         # an even `every`, and its previous gradient would never be one row back)
         params = st.stepped_params()
-        cur.params, cur.stepped, cur.measuring, cur.g2 = params, params, False, None
+        cur.params, cur.stepped, cur.measuring, cur.g2, cur.raw = params, params, False, None, None
+        bw, st.bw = st.bw, None  # the backward pass's read serves this step only (and holds its gradients)
         # the host fields every step records: its order in the row (0: the first optimizer stepping
-        # in it), its lr and the primary optimizer's
+        # in it); its learning rates once the pre-step hooks ran (_read_lr)
         rec, b = self._host.flat(s), (s * len(self._opts) + st.index) * NH
         rec[b + HostField.ORDER] = len(self._stepped) - 1
-        rec[b + HostField.LR] = lr = as_float(st.opt.param_groups[0]["lr"])
-        rec[b + HostField.LRP] = lr if st.index == 0 else as_float(self._opts[0].opt.param_groups[0]["lr"])
         if not params:
             rec[b + HostField.KIND] = Kind.NOPARAMS
             return
@@ -597,6 +748,7 @@ class Monitor:
         if st.adam is not None and st.adam.verified and ids != st.adam.ids:
             st.adam.verified = False  # some parameter's step count now lags: read them all again
         grads = [p.grad for p in params]
+        raw = bw.g2 if bw is not None and bw.changed(grads) else None  # else the step's own norm is it
         stats.check_params(st, params, grads, ids, self._li is not None, self._sketch)
         if st.group is not None:  # sharded: the sums run over the local shards, then are all-reduced
             params, grads = sharded.local(params), sharded.local(grads)
@@ -605,7 +757,7 @@ class Monitor:
             self._li.columns(st, params, ids)
         cur.inv = stats.grad_scale(st.opt)
         if self._sketch and not st.special:
-            self._pre_sketch(st, s, k, params, grads, ids, rec, b)
+            self._pre_sketch(st, s, k, params, grads, ids, rec, b, raw)
             return
         # the flat buffer (and the block, in its dtype) before the first sum; special gradients
         # have none (complex values do not fit a real buffer)
@@ -615,6 +767,8 @@ class Monitor:
         dv = self._block_row(st, s, params[0].device, torch.float32 if fb is None else fb.buf.dtype)
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
+        if raw is not None:
+            self._put_raw(st, dv, raw, rec, b)
         lg = st.block.layer(s, 0) if self.per_layer else None
         if st.special:
             stats.special_g2(grads, dv[DevField.G2])
@@ -642,7 +796,7 @@ class Monitor:
         cur.measuring = True
 
     def _pre_sketch(self, st: OptState, s: int, k: int, params: list[torch.Tensor], grads: list[torch.Tensor],
-                    ids: tuple[int, ...], rec: memoryview, b: int) -> None:
+                    ids: tuple[int, ...], rec: memoryview, b: int, raw: torch.Tensor | None) -> None:
         """``memory="sketch"``: the pre-hook with sketches instead of flat copies (the fields are
         written in canonical order: slot 0)."""
         cur, prev, sk = st.cur, st.prev, st.sk
@@ -652,6 +806,8 @@ class Monitor:
         dv = self._block_row(st, s, params[0].device, sk.rows.dtype)
         cur.g2 = dv[DevField.G2]
         rec[b + HostField.KIND] = Kind.GRAD
+        if raw is not None:
+            self._put_raw(st, dv, raw, rec, b)
         measure, keep, linked = k % self.every == 0, (k + 1) % self.every == 0, prev.step == k - 1
         sketch.pre(st, sk, grads, params, dv, measure, keep, linked)
         if not measure:

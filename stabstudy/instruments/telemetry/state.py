@@ -121,6 +121,10 @@ class Current:
     params: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters (local shards where sharded)
     stepped: list[torch.Tensor] = field(default_factory=list)  #: the stepped parameters as the optimizer holds them
     g2: torch.Tensor | None = None  #: this step's ||g||^2 (a block view) for pre-step hooks
+    #: ||g||^2 as backward() left it (a block view), where something changed the gradient before the
+    #: step; None where nothing did (g2 is that norm then)
+    raw: torch.Tensor | None = None
+    lr_late: bool = False  #: the learning rates are read in the post-hook (a later pre-hook may change them)
     measuring: bool = False  #: a measured step: the post-hook completes the row
     #: 1 / loss scale of this step's gradient, or None for 1 (GradScaler with an optimizer that
     #: unscales inside its step, e.g. fused Adam: the hooks see scaled gradients)
@@ -158,6 +162,8 @@ class OptState:
         self.params_at_measure: list[torch.Tensor] = []  #: the parameters of that row
         self.adam: Any = None  #: :class:`.adam.AdamCache` of the stepped parameters (built there)
         self.sk: Any = None  #: :class:`.sketch.SketchState` (``memory="sketch"``), built by the Monitor
+        self.bw: Any = None  #: :class:`.backward.BackwardRead` of the latest backward pass since the last step
+        self.pre_id = -1  #: the id of the Monitor's step pre-hook on this optimizer
 
     def stepped_params(self) -> list[torch.Tensor]:
         return [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
@@ -181,5 +187,6 @@ class OptState:
     def free(self) -> None:
         """Drop every buffer and view of one (what ``Monitor.close`` leaves)."""
         self.flat, self.block, self.adam, self.cur.g2, self.layers.w_before = None, None, None, None, None
+        self.cur.raw, self.bw = None, None
         self.sk = None
         self.params_at_measure = []

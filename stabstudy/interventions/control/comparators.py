@@ -71,6 +71,9 @@ class ZClipController(Controller):
         self.zclip = ZClip(**{"max_grad_norm": None, **zclip_kwargs})
         self._model: _ParamsModel | None = None
 
+    def logged_actions(self) -> list[Any]:
+        return [AdaptiveClip()]  # ZClip's own clipping, in its step
+
     def _pre(self, opt: torch.optim.Optimizer, grad_norm: torch.Tensor | None) -> None:
         if self._model is None:
             self._model = _ParamsModel([p for g in opt.param_groups for p in g["params"]])
@@ -83,8 +86,10 @@ class ZClipController(Controller):
         g = float(grad_norm) if grad_norm is not None else math.nan
         clip_at = zc._compute_clip_val(g) if zc.initialized and math.isfinite(g) else None
         zc.step(self._model)
-        if clip_at is not None and clip_at < g:
+        clipped = clip_at is not None and clip_at < g
+        if clipped:
             self._acted[self._current_step()] = ACTION_CODES["clip"]
+        self.last = (math.nan, clipped, ACTION_CODES["clip"] if clipped else 0)
 
 
 class OlmoSkip(StepHooks):
@@ -118,9 +123,16 @@ class OlmoSkip(StepHooks):
         self._flags: list[tuple[int, torch.Tensor]] = []
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._skip: torch.Tensor | None = None
+        self._monitor: Any = None
 
     def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None, *, before_clip: bool = False) -> OlmoSkip:
+        """Hook into ``optimizer``; with ``monitor``, also log each step's decision there (as device
+        values: no host sync) as ``controller_alarm`` and ``controller_action`` (build the Monitor
+        first: this controller's pre-hook must run after the Monitor's opened the step's row)."""
         self.optimizer = optimizer
+        self._monitor = monitor
+        if monitor is not None:
+            self._log_to(monitor, [Skip()])
         if before_clip:
             self._watch_raw(optimizer)
         dev = optimizer.param_groups[0]["params"][0].device
@@ -160,6 +172,8 @@ class OlmoSkip(StepHooks):
         self._n += 1
         self._skip = skip
         self._flags.append((self._step if self._step is not None else self._count, skip))
+        if self._monitor is not None and self._monitor.step >= 0:  # the row of this step: its pre-hook ran first
+            self._monitor.log(controller_alarm=skip.float(), controller_action=skip.float() * ACTION_CODES["skip"])
         self._saved = [(t, t.clone()) for t in self._state_tensors(opt)]
 
     @staticmethod

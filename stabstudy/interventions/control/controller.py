@@ -21,7 +21,11 @@ Reading the norm as a float is one host sync per step on a GPU (none on a CPU); 
 
 Per step it records ``intervened`` (1 where it acted) and ``action`` (a code of
 :data:`~stabstudy.interventions.control.actions.ACTION_CODES`), keyed by the learner's step when
-:meth:`observe` names it, else by its own count of steps.
+:meth:`observe` names it, else by its own count of steps (:meth:`Controller.records`). Attached
+through a Monitor it also logs, in the row of each update it saw, ``controller_score`` (the largest
+score of its detectors), ``controller_alarm`` (1 where one alarmed) and ``controller_action`` (the
+action's name, "none" where it did not act): one ``mon.to_dataset()`` holds the telemetry and the
+decisions, and the Monitor's writer (TensorBoard, W&B, MLflow) and the framework callbacks get them.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stabstudy.interventions.control.actions import Action, AdaptiveClip, StepContext
+from stabstudy.interventions.control.actions import ACTION_CODES, Action, AdaptiveClip, StepContext
 from stabstudy.online import Detector
 
 SIGNALS = ("grad_norm", "loss", "meta")
@@ -74,14 +78,23 @@ def as_records(codes: Mapping[int, float], n: int) -> dict[str, np.ndarray]:
     return {"intervened": (action > 0).astype(float), "action": action}
 
 
+#: The Monitor channels a controller attached through it logs (the registry's ``control`` source).
+MONITOR_CHANNELS = ("controller_score", "controller_alarm", "controller_action")
+
+
 class StepHooks:
     """What every controller shares: the optimizer it is attached to, the hooks :meth:`close`
-    removes (the records stay; attaching again resumes), and the norm of the gradients as
-    ``backward()`` left them (:meth:`_watch_raw`). A context manager."""
+    removes (the records stay; attaching again resumes), the norm of the gradients as
+    ``backward()`` left them (:meth:`_watch_raw`), and the Monitor it logs its decisions to
+    (:meth:`_log_to`). A context manager."""
 
     optimizer: torch.optim.Optimizer | None
     _handles: list[Any]
     _raw: dict[int, torch.Tensor] | None = None
+
+    def _log_to(self, monitor: Any, actions: list[Any]) -> None:
+        """Name the action codes this controller logs as ``controller_action`` in ``monitor``."""
+        monitor.name_codes("controller_action", {ACTION_CODES["none"]: "none", **{a.code: a.name for a in actions}})
 
     def _watch_raw(self, optimizer: torch.optim.Optimizer) -> None:
         """Keep each parameter's squared gradient norm from its post-accumulate-grad hook, i.e.
@@ -158,6 +171,9 @@ class Controller(StepHooks):
         self._acted: dict[int, int] = {}  # step -> action code
         self.scores: dict[int, float] = {}  # step -> largest finite score of its detectors
         self.optimizer: torch.optim.Optimizer | None = None
+        #: the latest step's decision: the largest finite score of its detectors (NaN: none), whether
+        #: one alarmed, the action's code (0: none)
+        self.last: tuple[float, bool, int] = (math.nan, False, 0)
 
     # -- attaching ----------------------------------------------------------------------
     def attach(self, optimizer: torch.optim.Optimizer, monitor: Any = None, *,
@@ -173,11 +189,18 @@ class Controller(StepHooks):
         if before_clip:
             self._watch_raw(optimizer)
         if monitor is not None:
+            self._log_to(monitor, self.logged_actions())
+
             def via_monitor(opt, stats):
                 if opt is optimizer:
                     if "meta" in self.detectors:  # the previous update's row is complete, this one's not yet
                         self._row = monitor.row(stats.step - 1) if stats.step > 0 else None
-                    self._pre(opt, stats.grad_norm)
+                    # the norm the optimizer is about to get: what the actions rescale (and the
+                    # detectors judge, unless they read the norm before clipping: _watch_raw)
+                    self._pre(opt, stats.grad_norm_applied)
+                    score, alarm, code = self.last
+                    monitor.log(step=stats.step, controller_score=score, controller_alarm=float(alarm),
+                                controller_action=float(code))
             self._handles.append(monitor.add_pre_step_hook(via_monitor))
         else:
             self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._pre(opt, None)))
@@ -191,6 +214,10 @@ class Controller(StepHooks):
             self._loss = float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if step is not None:
             self._step = int(step)
+
+    def logged_actions(self) -> list[Action]:
+        """The actions whose codes this controller logs (its policy's)."""
+        return self.policy.actions
 
     # -- per step -----------------------------------------------------------------------
     def reference(self) -> float:
@@ -233,6 +260,7 @@ class Controller(StepHooks):
             self._acted[step] = action.code
         elif math.isfinite(g):
             self._ref.append(g)
+        self.last = (worst if worst > -math.inf else math.nan, alarm, action.code if action is not None else 0)
         for a in self.policy.actions:
             a.before(ctx)
 

@@ -56,7 +56,11 @@ Step axis and timing
   return of the episodes finished at that row.
 * ``grad_norm`` etc. are measured at ``optimizer.step()``, i.e. *after* SB3's gradient
   clipping (PPO/A2C ``max_grad_norm = 0.5``): for those the channel saturates at the
-  clip value; SAC/TD3 do not clip.
+  clip value, as in every stored run; ``grad_norm_raw`` is the global norm before the
+  clipping (the Monitor reads it where ``backward()`` left the gradient:
+  :mod:`stabstudy.instruments.telemetry.backward`). SAC/TD3 do not clip: there the two are
+  equal. SB3's logger gets the Monitor's own names (``stability/grad_norm`` before clipping,
+  ``stability/grad_norm_applied`` after).
 * Per-``train()`` diagnostics are written on the last row of each ``train()`` call.
   Off-policy: read every ``every`` train calls (cost knob). Channels an algorithm does
   not have are NaN (``approx_kl``/``clip_fraction``: PPO only; ``q_mean``:
@@ -572,7 +576,9 @@ class DivergenceCallback(RecorderCallback):
         rec = self.recorder
         vals = getattr(self.model.logger, "name_to_value", {})
         mon = rec.monitor
-        gn = mon.grad_norm() if mon is not None and mon.step >= 0 else None
+        # the norm the optimizer received, as the stored runs' check always read it (the one before
+        # SB3's clipping is recorded as grad_norm_raw)
+        gn = mon.grad_norm(applied=True) if mon is not None and mon.step >= 0 else None
         if not (rec.on_policy or rec.train_calls % self.every == 0 or rec.train_calls == 1):
             for k in ("train/critic_loss", "train/actor_loss"):
                 v = vals.get(k)

@@ -197,7 +197,7 @@ class Recorder:
             rows.setdefault(s, {})["episode_return"] = float(np.mean(eps))
         mon_ds = None
         if self.monitor is not None:
-            mon_ds = self.monitor.to_dataset()
+            mon_ds = self.monitor.to_dataset(stored=True)
             mon_ds = mon_ds.assign_coords(step=mon_ds.step.values + 1 + self.start_update)
         steps = set(rows) | {self.start_update}
         if mon_ds is not None:
