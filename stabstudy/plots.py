@@ -1,21 +1,34 @@
-"""One figure style for the whole study, and saving to ``figures/<notebook>/``.
+"""One figure style for the whole study, and saving to ``figures/<notebook>/``; a quick look at
+one run's telemetry (:func:`telemetry`).
 
 :func:`setup` makes every new figure use constrained layout (panels, labels and titles
 spaced so they do not collide); :func:`savefig` warns (:class:`OverlapWarning`) when
 text of different panels still overlaps, which an executed notebook then shows and
-``stabstudy study`` repeats on the terminal.
+``stabstudy study`` repeats on the terminal. Needs the ``[plot]`` extra (matplotlib, seaborn).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg without a display
+import numpy as np
 import seaborn as sns
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
 from stabstudy import paths
+
+if TYPE_CHECKING:
+    import xarray as xr
+
+#: The channels :func:`telemetry` draws by default, in this order, where the Dataset has them.
+TELEMETRY_PANELS = ("loss", "grad_norm", "update_ratio", "update_grad_cos", "lr", "controller_score")
+#: Channels :func:`telemetry` draws on a log scale where their values span more than a decade.
+LOG_PANELS = ("loss", "grad_norm", "grad_norm_applied", "grad_norm_raw", "update_norm", "update_ratio",
+              "adam_m_norm", "adam_v_mean", "lambda_max", "val_loss", "test_loss")
 
 
 def setup() -> None:
@@ -114,3 +127,82 @@ def overlaps(fig: plt.Figure) -> list[str]:
             if (i != j or same_axis_ticks) and ba.overlaps(bb) and ba.width > 0 and bb.width > 0:
                 found.append(f"panel {i} {ka} {ta!r} overlaps panel {j} {kb} {tb!r}")
     return found
+
+
+def _windows(mask: np.ndarray, steps: np.ndarray) -> list[tuple[float, float]]:
+    """The runs of consecutive True in ``mask`` as (first step, last step + 1)."""
+    edges = np.diff(np.concatenate([[0], mask.astype(np.int8), [0]]))
+    return [(float(steps[a]), float(steps[b - 1]) + 1.0) for a, b in zip(np.flatnonzero(edges == 1),
+                                                                          np.flatnonzero(edges == -1), strict=True)]
+
+
+def _acted(ds: xr.Dataset) -> dict[float, str]:
+    """Steps where a controller acted, with the action's name (a Monitor's ``controller_action``)
+    or ``"intervened"`` (a stored run's ``intervened``)."""
+    steps = ds["step"].values
+    if "controller_action" in ds and ds["controller_action"].dtype.kind in "US":
+        return {float(s): str(a) for s, a in zip(steps, ds["controller_action"].values, strict=True)
+                if a not in ("", "none")}
+    if "intervened" in ds:
+        return {float(s): "intervened" for s, i in zip(steps, ds["intervened"].values, strict=True) if i == 1.0}
+    return {}
+
+
+def telemetry(ds: xr.Dataset, channels: Sequence[str] | None = None, *, title: str | None = None) -> plt.Figure:
+    """One run's telemetry at a glance: a panel per channel against ``step``, with the perturbation
+    windows shaded (``perturbed``) and the steps where a controller acted marked (a Monitor's
+    ``controller_action``, a stored run's ``intervened``).
+
+    Args:
+        ds: a Monitor's ``to_dataset()`` or one stored run (``RunStore().load(spec)``, or
+            ``load_runs(...).isel(run=i)``).
+        channels: what to draw (default: those of :data:`TELEMETRY_PANELS` the Dataset has);
+            ``grad_norm``'s panel also draws ``grad_norm_applied`` (dashed) where the two differ.
+        title: the figure's title.
+
+    A channel of :data:`LOG_PANELS` whose values span more than a decade is drawn on a log scale. Returns the
+    figure (``plots.savefig`` or ``fig.savefig`` it; in a notebook it shows).
+    """
+    if "step" not in ds.dims or "run" in ds.dims:
+        raise ValueError(f"telemetry draws one run (dimension 'step'), got dims {dict(ds.sizes)}: "
+                         "select one run, e.g. ds.isel(run=0)")
+    if channels is None:
+        channels = [c for c in TELEMETRY_PANELS if c in ds and np.isfinite(ds[c].values.astype(float)).any()]
+    missing = [c for c in channels if c not in ds or ds[c].dims != ("step",) or ds[c].dtype.kind not in "fiub"]
+    if missing:
+        valid = [str(v) for v, da in ds.data_vars.items() if da.dims == ("step",) and da.dtype.kind in "fiub"]
+        raise ValueError(f"cannot draw {missing}: not numeric channels along step of this Dataset; "
+                         f"valid: {', '.join(valid)}")
+    if not channels:
+        raise ValueError("nothing to draw: the Dataset has none of " + ", ".join(TELEMETRY_PANELS))
+    steps = ds["step"].values.astype(float)
+    fig, axes = plt.subplots(len(channels), 1, sharex=True, figsize=(8, 1.6 + 1.4 * len(channels)), squeeze=False,
+                             layout="constrained")
+    perturbed = ds["perturbed"].values == 1.0 if "perturbed" in ds else np.zeros(len(steps), bool)
+    acted = _acted(ds)
+    for ax, ch in zip(axes[:, 0], channels, strict=True):
+        y = ds[ch].values.astype(float)
+        ok = np.isfinite(y)
+        line, = ax.plot(steps[ok], y[ok], lw=1.2, label=f"_{ch}", marker="." if ok.sum() < 0.5 * len(y) else None)
+        if ch == "grad_norm" and "grad_norm_applied" in ds:
+            applied = ds["grad_norm_applied"].values.astype(float)
+            if not np.allclose(applied, y, rtol=1e-6, equal_nan=True):
+                line.set_label("before clipping")
+                ax.plot(steps, applied, lw=1.0, ls="--", label="applied (after clipping)")
+                ax.legend(fontsize="small", loc="upper left")
+        pos = y[ok & (y > 0)]
+        if ch in LOG_PANELS and pos.size and ok.sum() == pos.size and pos.max() > 10 * pos.min():
+            ax.set_yscale("log")
+            ax.yaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks crowd a short panel
+        for i, (a, b) in enumerate(_windows(perturbed, ds["step"].values)):
+            mark_window(ax, a, b, label=None if i or ax is not axes[0, 0] else "perturbation")
+        for j, (s, name) in enumerate(sorted(acted.items())):
+            ax.axvline(s, color="tab:purple", lw=0.8, alpha=0.7,
+                       label=f"controller: {name}" if j == 0 and ax is axes[0, 0] else None)
+        ax.set_ylabel(ch, fontsize="small")
+    if perturbed.any() or acted:
+        axes[0, 0].legend(fontsize="small", loc="upper right")
+    axes[-1, 0].set_xlabel("step (optimizer update)")
+    if title:
+        fig.suptitle(title)
+    return fig

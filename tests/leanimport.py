@@ -6,8 +6,10 @@ The importable third-party packages are the distributions pyproject.toml's core 
 the named extras pull in, transitively (read from the installed packages' metadata); the standard
 library and stabstudy itself stay importable. Every other module is not found, as if it were not
 installed: each meta-path finder is wrapped so that it answers None for it, which is also what
-``importlib.util.find_spec`` then reports to libraries that probe for optional packages. Much
-faster than a fresh virtual environment, and it checks the same thing: what an import needs.
+``importlib.util.find_spec`` then reports to libraries that probe for optional packages, and the
+other distributions' metadata is not found either (``importlib.metadata``, which libraries such
+as lightning and torchmetrics probe instead). Much faster than a fresh virtual environment, and
+it checks the same thing: what an import needs.
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ def _stdlib(top: str) -> bool:
 
 
 class _Hide:
-    """One meta-path finder, wrapped: a module outside the allowed set is not found."""
+    """One meta-path finder, wrapped: a module or a distribution outside the allowed sets is not found."""
 
-    def __init__(self, finder, allowed: set[str], hidden: list[str]):
-        self.finder, self.allowed, self.hidden = finder, allowed, hidden
+    def __init__(self, finder, allowed: set[str], dists: set[str], hidden: list[str]):
+        # allowed (top-level modules) and dists (normalized distribution names): shared, changed in place
+        self.finder, self.allowed, self.dists, self.hidden = finder, allowed, dists, hidden
 
     def find_spec(self, name, path=None, target=None):
         top = name.partition(".")[0]
@@ -89,7 +92,10 @@ class _Hide:
 
     def find_distributions(self, *args, **kwargs):
         find = getattr(self.finder, "find_distributions", None)
-        return find(*args, **kwargs) if find else ()
+        found = find(*args, **kwargs) if find else ()
+        if _READING_ALL[0]:  # allow_only() reads every distribution's metadata
+            return found
+        return (d for d in found if _norm(d.metadata["Name"] or "") in self.dists)
 
     def invalidate_caches(self):
         getattr(self.finder, "invalidate_caches", lambda: None)()
@@ -97,10 +103,30 @@ class _Hide:
 
 def hide_all_but(extras: list[str]) -> list[str]:
     """From now on only the core's and ``extras``' packages are importable; returns the list that
-    collects the names of the modules hidden since."""
-    allowed, hidden = allowed_modules(extras), []
-    sys.meta_path[:] = [_Hide(f, allowed, hidden) for f in sys.meta_path]
+    collects the names of the modules hidden since. :func:`allow_only` changes the extras later."""
+    allowed, dists, hidden = allowed_modules(extras), distributions(extras) | {"stabstudy"}, []
+    sys.meta_path[:] = [_Hide(f, allowed, dists, hidden) for f in sys.meta_path]
     return hidden
+
+
+#: True while :func:`allow_only` reads the metadata of every distribution (the hidden ones included).
+_READING_ALL = [False]
+
+
+def allow_only(extras: list[str]) -> None:
+    """Make the core's and ``extras``' packages the importable ones from now on (after
+    :func:`hide_all_but`); modules imported before stay imported."""
+    _READING_ALL[0] = True
+    try:
+        allowed, dists = allowed_modules(extras), distributions(extras) | {"stabstudy"}
+    finally:
+        _READING_ALL[0] = False
+    for f in sys.meta_path:
+        if isinstance(f, _Hide):
+            f.allowed.clear()
+            f.allowed.update(allowed)
+            f.dists.clear()
+            f.dists.update(dists)
 
 
 if __name__ == "__main__":

@@ -138,9 +138,76 @@ def test_writer_every_and_several_optimizers():
     np.testing.assert_allclose([v for t, v, _ in w.rows if t == "stability/grad_norm"], ds.grad_norm.values)
 
 
-def test_writer_rejects_objects_without_add_scalar():
-    with pytest.raises(TypeError, match="add_scalar"):
+# -- W&B and MLflow: the row writers ------------------------------------------------------
+def test_a_row_writer_gets_each_complete_row_once_from_the_background_thread():
+    import threading
+
+    class Rows:
+        def __init__(self):
+            self.rows, self.threads, self.flushed = [], set(), 0
+
+        def log_row(self, step, values):
+            self.rows.append((step, dict(values)))
+            self.threads.add(threading.current_thread().name)
+
+        def flush(self):
+            self.flushed += 1
+
+    w = Rows()
+    mon = _train({"writer": w, "sync_every": 4, "every": 3}, steps=10)
+    mon.close()
+    ds = mon.to_dataset()
+    assert [s for s, _ in w.rows] == list(range(10)) and w.flushed == 1
+    assert w.threads == {"stabstudy-writer-sink"}
+    for s, values in w.rows:
+        assert values["stability/grad_norm"] == pytest.approx(float(ds.grad_norm[s]), rel=1e-12)
+        assert ("stability/update_ratio" in values) == (s % 3 == 0)  # NaN (not measured) is not written
+    with pytest.raises(TypeError, match="log_row.*WandbWriter.*add_scalar"):
         _train({"writer": object()}, steps=1)
+
+
+def test_wandb_writer_offline(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from stabstudy.instruments.telemetry.loggers import WandbWriter
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(ValueError, match="wandb.init"):
+        WandbWriter()
+    run = wandb.init(project="stabstudy-test", dir=str(tmp_path))
+    logged = []
+    real = run.log
+    monkeypatch.setattr(run, "log", lambda data, *a, **k: (logged.append(dict(data)), real(data, *a, **k)))
+    mon = _train({"writer": WandbWriter(), "sync_every": 4}, steps=6)
+    mon.close()
+    run.finish()
+    ds = mon.to_dataset()
+    assert [d["stability/step"] for d in logged] == list(range(6))
+    np.testing.assert_allclose([d["stability/grad_norm"] for d in logged], ds.grad_norm.values, rtol=1e-12)
+    (file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")  # what `wandb sync` would upload
+    assert b"stability/grad_norm" in file.read_bytes()
+
+
+def test_mlflow_writer_local_file_store(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from stabstudy.instruments.telemetry.loggers import MLflowWriter
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for those who ask
+    uri = (tmp_path / "mlruns").as_uri()
+    mlflow.set_tracking_uri(uri)
+    with pytest.raises(ValueError, match="mlflow.start_run"):
+        MLflowWriter()
+    with mlflow.start_run() as run:
+        mon = _train({"writer": MLflowWriter(), "sync_every": 4}, steps=6)
+        mon.close()
+    ds = mon.to_dataset()
+    hist = MlflowClient(uri).get_metric_history(run.info.run_id, "stability/grad_norm")
+    assert sorted(m.step for m in hist) == list(range(6))
+    np.testing.assert_allclose([m.value for m in sorted(hist, key=lambda m: m.step)], ds.grad_norm.values, rtol=1e-12)
+    loss = MlflowClient(uri).get_metric_history(run.info.run_id, "stability/loss")
+    assert len(loss) == 6
 
 
 # -- stable-baselines3 ------------------------------------------------------------------
@@ -224,6 +291,39 @@ def test_readme_to_frame_example(tmp_path, monkeypatch, capsys):
     df = ns["df"]
     assert list(df.columns) == ["step", "channel", "layer", "value"]
     assert "grad_norm" in capsys.readouterr().out
+
+
+def test_wandb_example_logs_every_row_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from stabstudy.instruments.telemetry import loggers
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    rows, real = [], loggers.WandbWriter.log_row
+    monkeypatch.setattr(loggers.WandbWriter, "log_row", lambda self, step, values: (rows.append(step),
+                                                                                    real(self, step, values)))
+    exec(compile(_doc_block("WandbWriter(run)"), "docs:wandb", "exec"), {})
+    assert rows == list(range(100))  # every row, in order, before run.finish()
+    (file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    data = file.read_bytes()
+    assert b"stability/grad_norm" in data and b"stability/loss" in data
+
+
+def test_mlflow_example_logs_every_row_to_a_local_file_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    ns: dict = {}
+    exec(compile(_doc_block("MLflowWriter()"), "docs:mlflow", "exec"), ns)
+    client = MlflowClient((tmp_path / "mlruns").as_uri())
+    hist = client.get_metric_history(ns["run"].info.run_id, "stability/grad_norm")
+    assert sorted(m.step for m in hist) == list(range(100))
+    np.testing.assert_allclose(sorted((m.step, m.value) for m in hist)[-1][1], float(ns["mon"].to_dataset().grad_norm[-1]),
+                               rtol=1e-12)
 
 
 # -- run segments (checkpoint state of the framework callbacks) -----------------------------

@@ -222,3 +222,73 @@ def test_olmo_skip_logs_its_device_decisions_to_the_monitor():
     mon.close()
     assert ds.controller_action.values.tolist() == ["none"] * 8 + ["skip", "none"]
     np.testing.assert_array_equal(ds.controller_alarm.values, [0.0] * 8 + [1.0, 0.0])
+
+
+def test_summary_medians_maxima_last_values_non_finite_steps_and_the_controllers_steps():
+    ds, ctrl, _ = backoff_loop("through the Monitor")
+    from stabstudy.instruments.telemetry.summary import summarize
+
+    s = summarize(ds)
+    gn = ds.grad_norm.values
+    row = s.channels.loc["grad_norm"]
+    assert (row["median"], row["max"], row["last"], row["non_finite"]) == (np.median(gn), gn.max(), gn[-1], 0)
+    assert s.alarms.tolist() == [5] and s.actions == {5: "lr_backoff"} and s.steps == 8
+    assert "controller_action" not in s.channels.index  # names, not numbers
+    text = str(s)
+    assert "alarms at steps: 5" in text and "actions at steps: 5 (lr_backoff)" in text and "non-finite values: none" in text
+    # a value that blew up, a loss logged as NaN from step 6 on; xgrad's first step and an every=N
+    # channel's gaps are not failures
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    with Monitor(model, opt, every=3) as mon:
+        for step in range(10):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if step == 7:
+                next(model.parameters()).grad[0, 0] = float("inf")
+            opt.step()
+            mon.log(loss=float("nan") if step >= 6 else loss.item())
+    s = mon.summary()
+    assert s.channels.loc["loss", "non_finite"] == 4 and s.channels.loc["loss", "first_non_finite"] == 6
+    # set after backward(): the gradient the optimizer got is infinite at step 7, backward()'s is not
+    assert s.channels.loc["grad_norm_applied", "first_non_finite"] == 7
+    assert s.channels.loc["grad_norm", "non_finite"] == 0
+    assert s.channels.loc["xgrad", "non_finite"] == 0 and s.channels.loc["update_ratio", "non_finite"] <= 1
+    assert "loss at 4 steps from 6" in str(s) and "<pre>" in s._repr_html_()
+
+
+def test_repr_says_what_is_watched_without_reading_the_device():
+    model = mlp()
+    opts = {"actor": torch.optim.Adam(model[0].parameters()), "critic": torch.optim.SGD(model[2].parameters(), lr=0.1)}
+    mon = Monitor(model, opts, every=5, per_layer=True)
+    assert repr(mon) == ("Monitor(actor: Adam, critic: SGD; every=5, per_layer=True, before_clip=True; "
+                         "0 updates, 30 channels; attached)")
+    mon.close()
+    assert repr(mon).endswith("closed)")
+
+
+def test_plots_telemetry_draws_the_main_channels_with_perturbation_and_controller_marks():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stabstudy import plots
+
+    ds, _, _ = backoff_loop("through the Monitor")
+    ds = ds.assign(perturbed=("step", np.isin(ds.step.values, [4, 5]).astype(float)),
+                   loss=("step", np.linspace(1.0, 0.5, ds.sizes["step"])))
+    fig = plots.telemetry(ds)
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert labels == ["loss", "grad_norm", "update_ratio", "update_grad_cos", "lr", "controller_score"]
+    top = fig.axes[0]
+    assert [p.get_x() for p in top.patches] == [4.0]  # the perturbation window [4, 6)
+    assert [ln.get_xdata()[0] for ln in top.lines[1:]] == [5.0]  # the controller acted at step 5
+    assert {t.get_text() for t in top.get_legend().get_texts()} == {"perturbation", "controller: lr_backoff"}
+    assert plots.overlaps(fig) == []
+    plt.close(fig)
+    with pytest.raises(ValueError, match="valid: .*grad_norm"):
+        plots.telemetry(ds, ["nope"])
+    with pytest.raises(ValueError, match="select one run"):
+        plots.telemetry(ds.expand_dims(run=["a"]))

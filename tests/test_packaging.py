@@ -11,6 +11,7 @@ import sys
 import tomllib
 
 import pytest
+from docblocks import NOT_RUN, chain, documents, extras_of, python_blocks
 from leanimport import ROOT, _norm
 from packaging.requirements import Requirement
 
@@ -108,6 +109,57 @@ def test_the_lean_check_hides_what_an_extra_would_bring():
     assert proc.returncode == 0, proc.stderr[-2000:]  # a probing library sees it as absent
     with pytest.raises(ValueError, match="valid: rl"):
         __import__("leanimport").distributions(["nosuch"])
+
+
+# -- every example of the README and docs/, with only the extra it names ------------------------
+
+#: Every ```python block of the README and docs/: (document, index).
+EXAMPLES = [(doc, i) for doc in documents() for i in range(len(python_blocks(doc)))]
+
+# One example (after those it continues) in a fresh interpreter with only the packages of the extra
+# it names importable (leanimport: hidden modules and distribution metadata); a fresh process per
+# example, so that what one example's libraries cached about the installed packages (SB3 looks for
+# tensorboard once) does not carry over.
+EXAMPLE_RUNNER = """
+import sys, types
+import leanimport
+from docblocks import extras_of, python_blocks
+doc, order = sys.argv[1], [int(i) for i in sys.argv[2].split(",")]
+blocks = python_blocks(doc)
+leanimport.hide_all_but([])
+main = types.ModuleType("__main__")  # a script's module: a registry entry may name "__main__:run"
+sys.modules["__main__"] = main
+for i in order:
+    leanimport.allow_only(extras_of(blocks[i]))
+    exec(compile(blocks[i], f"{doc} (python block {i + 1})", "exec"), main.__dict__)
+"""
+
+
+@pytest.mark.parametrize(("doc", "i"), EXAMPLES, ids=[f"{d}:{i + 1}" for d, i in EXAMPLES])
+def test_every_example_names_its_extra(doc, i):
+    code = python_blocks(doc)[i]
+    extras = extras_of(code)
+    assert extras is not None, (f"{doc} python block {i + 1} names no extra: its first line must be "
+                                "\"# pip install stabstudy\" (the core) or \"# pip install 'stabstudy[<extra>]'\"")
+    assert set(extras) <= set(EXTRAS), f"{doc} block {i + 1}: unknown extra(s) {set(extras) - set(EXTRAS)}"
+
+
+RUNNABLE = [(d, i) for d, i in EXAMPLES if not python_blocks(d)[i].startswith(NOT_RUN)]
+
+
+@pytest.mark.parametrize(("doc", "i"), RUNNABLE, ids=[f"{d}:{i + 1}" for d, i in RUNNABLE])
+def test_every_example_runs_with_only_the_extra_it_names(doc, i, tmp_path):
+    """As a user who installed only that extra runs it (services offline: W&B offline, MLflow on a
+    local file store, the Hugging Face hub offline; files under a temporary folder)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]), OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", MPLBACKEND="Agg", WANDB_MODE="offline", WANDB_SILENT="true",
+               WANDB_DIR=str(tmp_path), MLFLOW_TRACKING_URI=(tmp_path / "mlruns").as_uri(),
+               MLFLOW_ALLOW_FILE_STORE="true", STABSTUDY_DATA=str(tmp_path / "data"),
+               STABSTUDY_FIGURES=str(tmp_path / "figures"))
+    proc = subprocess.run([sys.executable, "-c", EXAMPLE_RUNNER, doc, ",".join(map(str, chain(doc, i)))],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (f"{doc} python block {i + 1} fails with only "
+                                  f"{extras_of(python_blocks(doc)[i]) or 'the core'}:\n{proc.stderr[-4000:]}")
 
 
 def _declared() -> set[str]:

@@ -11,6 +11,7 @@ from stabstudy.instruments.telemetry.channels import (
 from stabstudy.instruments.telemetry.frame import to_frame
 from stabstudy.instruments.telemetry.monitor import Monitor
 from stabstudy.instruments.telemetry.sink import ScalarWriter, WriterSink
+from stabstudy.instruments.telemetry.summary import Summary, summarize
 
 __all__ = ["LONG_NAMES", "OPT_CHANNELS", "TELEMETRY_VERSION", "Monitor", "MonitorCost", "PreStepStats",
-           "ScalarWriter", "WriterSink", "gradient_coherence", "to_frame"]
+           "ScalarWriter", "Summary", "WriterSink", "gradient_coherence", "summarize", "to_frame"]

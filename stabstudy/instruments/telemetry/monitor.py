@@ -132,9 +132,10 @@ class Monitor:
             on a ``layer`` dimension (one entry per parameter tensor).
         sync_every: rows per device block: the statistics stay on the parameters'
             device and are copied to the host once per this many rows (and when read).
-        writer: anything with ``add_scalar(tag, value, global_step)`` (TensorBoard's
-            ``SummaryWriter``): every channel goes to it as ``stability/<channel>`` at
-            ``global_step`` = the row, a block of rows at a time (:mod:`~stabstudy.instruments.telemetry.sink`).
+        writer: TensorBoard's ``SummaryWriter``, :mod:`~stabstudy.instruments.telemetry.loggers`'
+            ``WandbWriter`` or ``MLflowWriter``, or anything with ``add_scalar(tag, value, global_step)``
+            or ``log_row(step, values)``: every channel goes to it as ``stability/<channel>`` at
+            step = the row, a block of rows at a time (:mod:`~stabstudy.instruments.telemetry.sink`).
         memory: ``"exact"`` (default: flat copies of the gradient and parameters, three rows the
             size of the parameters) or ``"sketch"``: k-dimensional count-sketches instead, for
             large models; norms and Adam channels stay exact, ``xgrad``, ``update_grad_cos`` and
@@ -454,6 +455,24 @@ class Monitor:
                 var = (var[0], applied[1], var[2])
             out[name] = var
         return out
+
+    def summary(self):
+        """A quick look at every row so far: per channel its median, largest and last value and
+        the steps where it was not finite, and the steps where a Controller attached through this
+        Monitor alarmed or acted (:func:`.summary.summarize`; ``print`` it). Reads everything (a
+        host sync on a GPU)."""
+        from stabstudy.instruments.telemetry.summary import summarize  # pandas: only when asked
+
+        return summarize(self.to_dataset())
+
+    def __repr__(self) -> str:
+        # what is known on the host, without reading the device: no sync
+        opts = ", ".join(f"{st.name}: {type(st.opt).__name__}" for st in self._opts)
+        state = "attached" if self._handles else "closed"
+        extra = "".join(f", {k}={v!r}" for k, v in (("per_layer", self.per_layer), ("memory", self.memory))
+                        if v != {"per_layer": False, "memory": "exact"}[k])
+        return (f"Monitor({opts}; every={self.every}{extra}, before_clip={self.before_clip}; "
+                f"{self._step + 1} updates, {len(self.channels())} channels; {state})")
 
     def to_frame(self, *, dropna: bool = False):
         """:meth:`to_dataset` as a long pandas DataFrame (step, channel, layer, value): see :func:`.frame.to_frame`."""

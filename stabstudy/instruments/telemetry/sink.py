@@ -1,4 +1,11 @@
-"""Streaming the Monitor's channels to a scalar writer (TensorBoard's ``SummaryWriter``, ...).
+"""Streaming the Monitor's channels to a writer: TensorBoard's ``SummaryWriter``, W&B, MLflow, or
+anything with ``add_scalar``.
+
+Writers take one of two shapes. A *row writer* (:class:`RowWriter`: ``log_row(step, values)``, the
+shape of :mod:`.loggers`' ``WandbWriter`` and ``MLflowWriter``) gets each complete row's channels
+in one call, from a background thread; a *scalar writer* (:class:`ScalarWriter`:
+``add_scalar(tag, value, global_step)``) gets one call per value in the training thread.
+TensorBoard's ``SummaryWriter`` is a scalar writer that the sink drives as a row writer (below).
 
 The Monitor never reads a device value per step; a :class:`WriterSink` therefore writes a
 row only once the row is *complete on the host*: closed (a later row opened, or the
@@ -28,9 +35,16 @@ import numpy as np
 
 
 class ScalarWriter(Protocol):
-    """What :class:`WriterSink` writes to: ``torch.utils.tensorboard.SummaryWriter`` qualifies."""
+    """A writer :class:`WriterSink` calls once per value: ``torch.utils.tensorboard.SummaryWriter`` qualifies."""
 
     def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> Any: ...
+
+
+class RowWriter(Protocol):
+    """A writer :class:`WriterSink` calls once per row, from a background thread (:mod:`.loggers`);
+    ``flush()``, if it has one, is called when the Monitor closes."""
+
+    def log_row(self, step: int, values: dict[str, float]) -> Any: ...
 
 
 class WriterSink:
@@ -41,18 +55,22 @@ class WriterSink:
     to a row after the row was written does not reach the writer.
 
     Args:
-        writer: anything with ``add_scalar(tag, value, global_step)``.
+        writer: a :class:`RowWriter` (``log_row(step, values)``) or a :class:`ScalarWriter`
+            (``add_scalar(tag, value, global_step)``).
         prefix: tag prefix.
     """
 
-    def __init__(self, writer: ScalarWriter, prefix: str = "stability/"):
-        if not callable(getattr(writer, "add_scalar", None)):
-            raise TypeError(f"writer must have add_scalar(tag, value, global_step); got {type(writer).__name__}")
+    def __init__(self, writer: ScalarWriter | RowWriter, prefix: str = "stability/"):
+        if not callable(getattr(writer, "log_row", None)) and not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError("writer must have log_row(step, values) (stabstudy.instruments.telemetry.loggers: "
+                            "WandbWriter, MLflowWriter) or add_scalar(tag, value, global_step) (TensorBoard's "
+                            f"SummaryWriter); got {type(writer).__name__}")
         self.writer = writer
         self.prefix = prefix
         self.written = 0  # rows before this one were written
         self._tags: dict[str, str] = {}
-        self._row_events = _row_event_writer(writer)
+        self._row_events = _rows_of(writer) if callable(getattr(writer, "log_row", None)) else \
+            _row_event_writer(writer)
         self._background = _Background() if self._row_events is not None else None
 
     def flush(self, mon: Any, end: int) -> None:
@@ -135,6 +153,19 @@ class _Background:
         if self._error is not None:
             e, self._error = self._error, None
             raise RuntimeError("the writer failed while writing telemetry rows") from e
+
+
+def _rows_of(writer: RowWriter) -> Callable[[list[str], np.ndarray, int], None]:
+    """A function handing each row of a block to ``writer.log_row``, its non-NaN values only."""
+    log_row = writer.log_row
+
+    def write(tags: list[str], block: np.ndarray, first: int) -> None:
+        for j, row in enumerate(block.T.tolist()):
+            values = {t: v for t, v in zip(tags, row, strict=True) if v == v}
+            if values:  # NaN: nothing measured there
+                log_row(first + j, values)
+
+    return write
 
 
 def _row_event_writer(writer: Any) -> Callable[[list[str], np.ndarray, int], None] | None:
