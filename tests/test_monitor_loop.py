@@ -292,3 +292,37 @@ def test_plots_telemetry_draws_the_main_channels_with_perturbation_and_controlle
         plots.telemetry(ds, ["nope"])
     with pytest.raises(ValueError, match="select one run"):
         plots.telemetry(ds.expand_dims(run=["a"]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_backward_read_and_a_clip_make_no_host_sync_on_cuda():
+    """The norm before clipping is read at the end of each backward pass and put in the row on the
+    device (a loss scale divided out there): under sync debug mode "error" none of it syncs, and the
+    channels equal the CPU run's."""
+    results = {}
+    for device in (torch.device("cuda"), torch.device("cpu")):
+        model = mlp().to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=device.type == "cuda")
+        scaler = torch.amp.GradScaler(device.type, init_scale=256.0)
+        mon = Monitor(model, opt, sync_every=4, scaler=scaler)
+        x, y = (t.to(device) for t in data())
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()  # warm-up outside the check
+        opt.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(9):
+                opt.zero_grad()
+                for xb, yb in zip(x.chunk(2), y.chunk(2), strict=True):  # two accumulated micro-batches
+                    scaler.scale(torch.nn.functional.mse_loss(model(xb), yb) / 2).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # rescales by 1: the versions move
+                scaler.step(opt)
+                scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        results[device.type] = mon.to_dataset()
+        mon.close()
+    got, ref = results["cuda"], results["cpu"]
+    for ch in ("grad_norm", "grad_norm_applied", "update_norm", "adam_v_mean"):
+        np.testing.assert_allclose(got[ch].values, ref[ch].values, rtol=1e-3, equal_nan=True, err_msg=ch)
