@@ -3,8 +3,10 @@ then our lambda_max against PyHessian's power iteration.
 
 Two training loops -- a small GPT (``stabstudy.learners.gpt.GPT``, AdamW, as in ``stabstudy.learners.lm``)
 and the toy tanh MLP (``stabstudy.learners.toy.MLP``, Adam, MSE) -- each run with the Monitor
-off, on with ``every=1`` and on with ``every=10``, and a floor: a pre-hook that only reads every
-gradient once (``torch._foreach_norm``), the least a per-step ``grad_norm`` costs
+off, on with ``every=1`` and on with ``every=10``, on with ``every=1`` but without the read of the
+gradient at the end of each backward pass that gives ``grad_norm`` before clipping
+(``before_clip=False``: what the Monitor cost before it read that), and a floor: a pre-hook that
+only reads every gradient once (``torch._foreach_norm``), the least a per-step ``grad_norm`` costs
 (``GradReadOnly``). The variants share one model and
 optimizer per workload (separate instances differ by a few percent in speed by themselves)
 and are timed in interleaved repeats whose order rotates, so that load from other processes
@@ -58,8 +60,11 @@ from stabstudy.instruments.telemetry import TELEMETRY_VERSION, Monitor
 from stabstudy.learners import lm, toy
 from stabstudy.learners.gpt import GPT
 
-# (label, every): the Monitor with every=1 and every=10, and the floor (GradReadOnly)
-VARIANTS = (("off", 0), ("every=1", 1), ("every=10", 10), ("floor: read grads", -1))
+# (label, every, Monitor arguments): the Monitor with every=1 and every=10, every=1 without the
+# read of the gradient at the end of each backward pass (grad_norm before clipping), and the floor
+# (GradReadOnly)
+VARIANTS = (("off", 0, {}), ("every=1", 1, {}), ("every=10", 10, {}),
+            ("every=1, no bwd read", 1, {"before_clip": False}), ("floor: read grads", -1, {}))
 
 
 #: targets (the scale issue's): median ratio of the step time with the Monitor to the step time without it
@@ -200,12 +205,12 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
     make, loss_of, batches, _ = workload(args)
     model, opt = make()
     time_steps(model, opt, None, loss_of, batches[:3])  # warm-up: Adam state, allocator
-    times: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
-    hooks: dict[str, list[float]] = {label: [] for label, _ in VARIANTS}
+    times: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    hooks: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
     for rep in range(args.repeats):
         k = rep % len(VARIANTS)
-        for label, every in VARIANTS[k:] + VARIANTS[:k]:
-            mon = (GradReadOnly(opt) if every < 0 else Monitor(model, opt, every=every) if every else None)
+        for label, every, kw in VARIANTS[k:] + VARIANTS[:k]:
+            mon = (GradReadOnly(opt) if every < 0 else Monitor(model, opt, every=every, **kw) if every else None)
             hook0 = 0.0
             if mon is not None:
                 time_steps(model, opt, mon, loss_of, batches[:1])
@@ -219,7 +224,7 @@ def bench(name, workload, args, *, with_lambda: bool = True) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     n_params = sum(p.numel() for p in params)
     rows = []
-    for label, _ in VARIANTS:
+    for label, _, _ in VARIANTS:
         paired = [t / t0 for t, t0 in zip(times[label], times["off"], strict=True)]
         q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
         hook_ms = statistics.median(hooks[label]) * 1e3

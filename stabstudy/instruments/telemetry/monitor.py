@@ -480,28 +480,23 @@ class Monitor(MonitorViews):
         if not self.enabled:
             return
         t0 = time.perf_counter()
-        was = torch.is_grad_enabled()
-        torch.set_grad_enabled(False)  # a create_graph gradient must not be recorded
-        try:
-            for st in self._opts:
-                params = st.stepped_params()
-                if not params:
-                    st.bw = None
-                    continue
-                ids = tuple(map(id, params))
-                grads = [p.grad for p in params]
-                if ids != st.special_key:
-                    stats.check_params(st, params, grads, ids, self._li is not None, self._sketch)
-                if st.group is not None or st.special:
-                    st.bw = None
-                    continue
-                g0, dtype, old = grads[0], stat_dtype(params), st.bw
-                buf = old.g2 if old is not None and old.g2.dtype is dtype and old.g2.device == g0.device else \
-                    torch.zeros((), dtype=dtype, device=g0.device)
-                read_g2(grads, buf)
-                st.bw = BackwardRead(buf, grads, [g._version for g in grads])
-        finally:
-            torch.set_grad_enabled(was)
+        for st in self._opts:
+            params = st.stepped_params()
+            if not params:
+                st.bw = None
+                continue
+            ids = tuple(map(id, params))
+            grads = [p.grad for p in params]
+            if ids != st.special_key:
+                stats.check_params(st, params, grads, ids, self._li is not None, self._sketch)
+                st.raw_g2 = None  # another parameter set: its dtype may differ
+            if st.group is not None or st.special:
+                st.bw = None
+                continue
+            if st.raw_g2 is None or st.raw_g2.device != grads[0].device:  # model.to(): same parameters, moved
+                st.raw_g2 = torch.zeros((), dtype=stat_dtype(params), device=grads[0].device)
+            stats.without_grad(lambda st, grads=grads: read_g2(grads, st.raw_g2), st)  # a create_graph gradient
+            st.bw = BackwardRead(st.raw_g2, grads, [g._version for g in grads])
         self._cost[0] += time.perf_counter() - t0
 
     def _put_raw(self, st: OptState, dv: list[torch.Tensor], raw: torch.Tensor, rec: memoryview, b: int) -> None:

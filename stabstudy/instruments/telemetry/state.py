@@ -163,6 +163,7 @@ class OptState:
         self.adam: Any = None  #: :class:`.adam.AdamCache` of the stepped parameters (built there)
         self.sk: Any = None  #: :class:`.sketch.SketchState` (``memory="sketch"``), built by the Monitor
         self.bw: Any = None  #: :class:`.backward.BackwardRead` of the latest backward pass since the last step
+        self.raw_g2: torch.Tensor | None = None  #: 0-d: where the backward reads put ||g||^2 (reused)
         self.pre_id = -1  #: the id of the Monitor's step pre-hook on this optimizer
 
     def stepped_params(self) -> list[torch.Tensor]:
@@ -187,6 +188,6 @@ class OptState:
     def free(self) -> None:
         """Drop every buffer and view of one (what ``Monitor.close`` leaves)."""
         self.flat, self.block, self.adam, self.cur.g2, self.layers.w_before = None, None, None, None, None
-        self.cur.raw, self.bw = None, None
+        self.cur.raw, self.bw, self.raw_g2 = None, None, None
         self.sk = None
         self.params_at_measure = []
