@@ -8,6 +8,13 @@ not counted) in interleaved blocks, the minimum over blocks. The difference is t
 per step (its hooks, and the cache misses they cause the Adam step), without the forward and
 backward passes, whose cache traffic it leaves out.
 
+Second table: the read of the gradient at the end of each backward pass that gives ``grad_norm``
+before clipping (``Monitor(before_clip=True)``, the default): a backward pass over a graph that
+leaves fixed gradients, with the Monitor attached with and without that read (``before_clip``),
+in interleaved blocks as above; beside it, one read of the gradient by itself (per-tensor norms
+by one ``torch._foreach_norm``, their squared sum by one dot product: the least any gradient norm
+costs). The issue's bound (46, item 8): the read costs at most one extra read of the gradient.
+
 Tensor sets (float32): SAC's three optimizers on HalfCheetah with 64-wide nets (``ent_coef``:
 one scalar; ``actor``: 8 tensors, 6k parameters; ``critic``: two Q-nets, 12 tensors, 11.5k),
 their sum per SAC update, the toy MLP of ``telemetry_overhead.py`` (6 tensors, 85k) and the small
@@ -74,6 +81,43 @@ def cost_per_step(shapes: list[tuple[int, ...]], every: int, blocks: int, steps:
     return (on - off) * 1e6, off * 1e6
 
 
+def backward_read_cost(shapes: list[tuple[int, ...]], blocks: int, steps: int) -> tuple[float, float, float]:
+    """(us the backward read adds per backward pass, us of one read of the gradient alone, us per
+    backward pass without it), minima over interleaved blocks."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen)) for s in shapes]
+    grads = [torch.randn(*s, generator=gen) for s in shapes]
+    opt = torch.optim.Adam(params, lr=1e-4)
+
+    def backward(n: int) -> float:
+        t0 = time.thread_time()
+        for _ in range(n):
+            for p in params:
+                p.grad = None
+            torch.stack([(p * g).sum() for p, g in zip(params, grads, strict=True)]).sum().backward()
+        return (time.thread_time() - t0) / n
+
+    out = torch.zeros(())
+
+    def one_read(n: int) -> float:
+        t0 = time.thread_time()
+        for _ in range(n):
+            norms = torch.stack(torch._foreach_norm(grads))
+            torch.dot(norms, norms, out=out)
+        return (time.thread_time() - t0) / n
+
+    best = {True: float("inf"), False: float("inf")}
+    read = float("inf")
+    for b in range(blocks):
+        for before in ((True, False) if b % 2 == 0 else (False, True)):
+            mon = Monitor(None, opt, before_clip=before)
+            backward(5)
+            best[before] = min(best[before], backward(steps))
+            mon.close()
+        read = min(read, one_read(steps))
+    return (best[True] - best[False]) * 1e6, read * 1e6, best[False] * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=15, help="interleaved blocks per variant (minimum taken)")
@@ -94,6 +138,13 @@ def main() -> None:
             sac = [a + b for a, b in zip(sac, (off, e1, e10), strict=True)]
             if name == "critic":
                 print(f"{'SAC update':<12}{'':>8}{'':>9}{sac[0]:>14.1f}{sac[1]:>12.1f}{sac[2]:>13.1f}")
+    print(f"\nthe read at the end of each backward pass (grad_norm before clipping), {args.blocks} interleaved "
+          f"blocks of {args.steps} backward passes, CPU time, minimum")
+    print(f"{'tensor set':<12}{'tensors':>8}{'params':>9}{'backward us':>13}{'the read us':>13}{'one read us':>13}")
+    for name, shapes in sets.items():
+        added, one, bw = backward_read_cost(shapes, args.blocks, args.steps)
+        n = sum(torch.Size(s).numel() for s in shapes)
+        print(f"{name:<12}{len(shapes):>8}{n:>9}{bw:>13.1f}{added:>13.1f}{one:>13.1f}")
     print(f"load average at the end (1, 5, 15 min): {', '.join(f'{v:.1f}' for v in os.getloadavg())} "
           f"on {os.cpu_count()} cores")
 
