@@ -172,6 +172,7 @@ def test_wandb_writer_offline(tmp_path, monkeypatch):
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # never the caller's folder
     with pytest.raises(ValueError, match="wandb.init"):
         WandbWriter()
     run = wandb.init(project="stabstudy-test", dir=str(tmp_path))
@@ -181,6 +182,7 @@ def test_wandb_writer_offline(tmp_path, monkeypatch):
     mon = _train({"writer": WandbWriter(), "sync_every": 4}, steps=6)
     mon.close()
     run.finish()
+    wandb.teardown()  # its settings (the run folder) stay in the process otherwise
     ds = mon.to_dataset()
     assert [d["stability/step"] for d in logged] == list(range(6))
     np.testing.assert_allclose([d["stability/grad_norm"] for d in logged], ds.grad_norm.values, rtol=1e-12)
@@ -196,7 +198,7 @@ def test_mlflow_writer_local_file_store(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store for those who ask
     uri = (tmp_path / "mlruns").as_uri()
-    mlflow.set_tracking_uri(uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # not mlflow.set_tracking_uri: it would outlive the test
     with pytest.raises(ValueError, match="mlflow.start_run"):
         MLflowWriter()
     with mlflow.start_run() as run:
@@ -300,10 +302,12 @@ def test_wandb_example_logs_every_row_offline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))  # never the caller's folder
     rows, real = [], loggers.WandbWriter.log_row
     monkeypatch.setattr(loggers.WandbWriter, "log_row", lambda self, step, values: (rows.append(step),
                                                                                     real(self, step, values)))
     exec(compile(_doc_block("WandbWriter(run)"), "docs:wandb", "exec"), {})
+    __import__("wandb").teardown()
     assert rows == list(range(100))  # every row, in order, before run.finish()
     (file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     data = file.read_bytes()
