@@ -28,6 +28,17 @@ from stabstudy.hparams import plain, validate
 from stabstudy.registry import KINDS, check_kind, check_task, hparams_class
 
 
+def hash_of_json(text: str) -> str:
+    """The :attr:`RunSpec.spec_hash` of a spec's JSON (:meth:`RunSpec.to_json`'s or any JSON of the
+    same content): 16 hex chars of the SHA-256 of its canonical form. Needs no valid spec, so a
+    stored run's ``spec`` attribute can be checked against its ``spec_hash`` whatever the code now accepts."""
+    return _digest(json.dumps(json.loads(text), sort_keys=True, separators=(",", ":")))
+
+
+def _digest(canonical: str) -> str:
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 def freeze(value: Any, where: str) -> Any:
     """Canonicalise a hyperparameter value: JSON scalars, tuples for sequences; numpy and torch values
     (scalars, arrays, tensors) become the Python scalars and lists they hold, alike."""
@@ -180,7 +191,7 @@ class RunSpec:
         # fail here, not minutes later on a worker, for a misspelt or mistyped name
         validate(hp_class, self.hp, f"{self.domain} learner {self.learner!r}")
         check_task(self.domain, self.task)
-        object.__setattr__(self, "_hash", hashlib.sha256(self.to_json().encode()).hexdigest()[:16])
+        object.__setattr__(self, "_hash", _digest(self.to_json()))  # to_json is canonical already
 
     # -- views -----------------------------------------------------------------
     @property

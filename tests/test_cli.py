@@ -323,3 +323,11 @@ def test_a_page_keeps_the_last_from_scratch_measurement_of_its_notebook():
     assert from_scratch(warm, {"from_scratch": from_scratch(own, None)})["wall_s"] == 900.0
     assert from_scratch(warm, None) is None
     assert from_scratch(own | {"runs_computed": 10, "runs_stored": 162}, None) is None  # partly stored: neither
+
+
+def test_runs_of_a_folder_that_does_not_exist_exits_2(tmp_path, capsys):
+    missing = tmp_path / "nonexistent"
+    assert main(["runs", "--data", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"stabstudy runs: error: no run store at {missing}" in err
+    assert not missing.exists()  # looking did not create it

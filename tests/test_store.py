@@ -265,3 +265,26 @@ def test_runs_of_another_stabstudy_version_are_flagged_and_rerun_on_request(tmp_
     assert runner.pending([old, moved], tmp_store) == [old]
     (rec, again) = runner.run_grid([old, moved], scheduler="serial", store=tmp_store, progress=False)
     assert not rec.cached and again.cached and tmp_store.load(old).attrs["stabstudy_version"] == __version__
+
+
+def test_a_spec_that_does_not_hash_to_its_spec_hash_is_corrupt_and_recomputed(tmp_store, capsys):
+    """Another spec's JSON put in a run's ``spec`` attribute, the checksum stamped again: the file
+    reads as whole, but it no longer says which run it holds."""
+    from stabstudy.run import runner
+    from stabstudy.run.store import _stamp
+
+    s, other = RunSpec("toy", "gd", "digits", 4, 0, {"width": 8}), RunSpec("toy", "gd", "digits", 4, 1, {"width": 8})
+    runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    ds = tmp_store.load(s)
+    ds.attrs["spec"] = other.to_json()
+    p = tmp_store.path(s)
+    ds.to_netcdf(p.with_suffix(".swap"), engine="netcdf4")
+    os.replace(p.with_suffix(".swap"), p)
+    _stamp(p)  # a valid checksum over the replaced spec
+    with pytest.raises(CorruptRunError, match="its spec hashes to"):
+        tmp_store.load(s)
+    assert tmp_store.status(s) == "corrupt"
+    capsys.readouterr()
+    (rec,) = runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert not rec.cached and "is corrupt (spec does not match its hash); recomputing" in capsys.readouterr().out
+    assert RunSpec.from_json(tmp_store.load(s).attrs["spec"]) == s

@@ -55,6 +55,10 @@ def _cmd_runs(args: argparse.Namespace) -> int:
 
     from stabstudy.run.store import RunStore
 
+    if args.data and not os.path.isdir(args.data):  # a mistyped folder is not an empty store
+        print(f"stabstudy runs: error: no run store at {args.data} (not a folder); give the folder "
+              f"holding the <spec_hash>.nc files, or leave --data out for {paths.runs_dir()}", file=sys.stderr)
+        return 2
     store = RunStore(args.data) if args.data else RunStore()
     if store.hashes() and importlib.util.find_spec("netCDF4") is None:
         print(f"stabstudy runs: error: {store.root} holds netCDF runs; reading them needs netCDF4, in the [study] "

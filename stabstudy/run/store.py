@@ -36,7 +36,7 @@ import xarray as xr
 from stabstudy import __version__, paths, registry
 from stabstudy.interventions.perturb import Schedule
 from stabstudy.registry import SHARED_CHANNELS
-from stabstudy.spec import RunSpec
+from stabstudy.spec import RunSpec, hash_of_json
 
 if TYPE_CHECKING:  # the [study] extra's (see _lock)
     from filelock import FileLock
@@ -360,6 +360,16 @@ class RunStore:
             raise CorruptRunError(f"run file {p} does not hold run {want} (attrs spec_hash="
                                   f"{ds.attrs.get('spec_hash')!r}, status={ds.attrs.get('status')!r})",
                                   "holds another run")
+        # the checksum says the file is as written, not that its spec is the run's: a spec put there
+        # later, with the checksum stamped again, would be read as this run's
+        try:
+            spec_hash = hash_of_json(str(ds.attrs.get("spec")))
+        except ValueError:  # json.JSONDecodeError included
+            spec_hash = "unreadable JSON"
+        if spec_hash != want:
+            raise CorruptRunError(f"run file {p} is named and marked as run {want}, but its spec hashes to "
+                                  f"{spec_hash}: the spec attribute was changed after the run was written",
+                                  "spec does not match its hash")
         return ds
 
     def status(self, spec_or_hash: RunSpec | str) -> str | None:
