@@ -288,3 +288,97 @@ def test_a_spec_that_does_not_hash_to_its_spec_hash_is_corrupt_and_recomputed(tm
     (rec,) = runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
     assert not rec.cached and "is corrupt (spec does not match its hash); recomputing" in capsys.readouterr().out
     assert RunSpec.from_json(tmp_store.load(s).attrs["spec"]) == s
+
+
+def _disk_full(monkeypatch, raised):
+    """netCDF's write fails as it does on a full disk (``raised``), and the folder has no room left."""
+    import errno
+
+    def write(self, *a, **k):
+        raise raised
+
+    def no_room(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", write)
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+
+
+@pytest.mark.parametrize("raised", ["netcdf", "oserror"])
+def test_a_full_disk_names_the_folder_and_the_cause_and_leaves_nothing_behind(tmp_store, monkeypatch, raised):
+    """netCDF reports a full disk as ``RuntimeError: NetCDF: HDF error`` (no path, no cause): the store
+    finds the cause (no room for the run in its folder) and says both."""
+    import errno
+
+    from stabstudy.run.store import LOCKS_DIR, RunWriteError
+
+    s = toy_spec()
+    _disk_full(monkeypatch, RuntimeError("NetCDF: HDF error") if raised == "netcdf"
+               else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    with pytest.raises(RunWriteError) as exc:
+        tmp_store.save(trajectory(), s, "ok", 0.0)
+    assert exc.value.errno == errno.ENOSPC
+    msg = str(exc.value)
+    assert f"cannot store run {s.spec_hash} in {tmp_store.root}" in msg and "no space left on device" in msg
+    assert sorted(os.listdir(tmp_store.root)) == [LOCKS_DIR]  # no temporary file, no run
+
+
+def test_a_write_error_with_room_left_names_the_folder_and_netcdfs_error(tmp_store, monkeypatch):
+    from stabstudy.run.store import RunWriteError
+
+    def write(self, *a, **k):
+        raise RuntimeError("NetCDF: HDF error")
+
+    monkeypatch.setattr(xr.Dataset, "to_netcdf", write)
+    with pytest.raises(RunWriteError, match=f"cannot store run .* in {tmp_store.root}: RuntimeError: NetCDF: HDF error") as exc:
+        tmp_store.save(trajectory(), toy_spec(), "ok", 0.0)
+    assert exc.value.errno is None
+
+
+def test_a_grid_on_a_full_disk_stops_with_the_cause_and_stores_no_failed_run(tmp_store, monkeypatch):
+    """A full disk is not the run's failure: the grid stops, and a rerun with room computes the run."""
+    from stabstudy.run import runner
+    from stabstudy.run.store import RunWriteError
+
+    s = RunSpec("toy", "gd", "digits", 4, 0, {"width": 8})
+    with monkeypatch.context() as m:
+        _disk_full(m, RuntimeError("NetCDF: HDF error"))
+        with pytest.raises(RunWriteError, match="no space left on device"):
+            runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert not tmp_store.path(s).exists()
+    (rec,) = runner.run_grid([s], scheduler="serial", store=tmp_store, progress=False)
+    assert rec.status == "ok" and not rec.cached
+
+
+_FILL = """
+import sys, numpy as np, xarray as xr
+from stabstudy.run.store import RunStore, RunWriteError
+from stabstudy.spec import RunSpec
+store = RunStore(sys.argv[1])
+big = xr.Dataset({"loss": ("step", np.random.default_rng(0).random(200_000))})
+try:
+    store.save(big, RunSpec("toy", "gd", "digits", 12, 0, {"lr": 0.1}), "ok", 1.0)
+except RunWriteError as e:
+    print("RunWriteError", e.errno, e)
+"""
+
+
+def test_a_real_full_disk_is_reported_as_such(tmp_path):
+    """The same on a 600 KiB tmpfs (a user namespace: no root needed; skipped where there is none)."""
+    import errno
+    import shutil
+    import subprocess
+    import sys
+
+    unshare = shutil.which("unshare")
+    if not unshare or subprocess.run([unshare, "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("no user namespaces here: cannot mount a tmpfs without root")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    script = (f"mount -t tmpfs -o size=600k tmpfs {tiny} && {sys.executable} -c '{_FILL}' {tiny} && ls -a {tiny}")
+    out = subprocess.run([unshare, "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    first, *listing = out.stdout.splitlines()
+    assert first.startswith(f"RunWriteError {errno.ENOSPC} cannot store run") and f"in {tiny}" in first
+    assert "no space left on device" in first
+    assert sorted(listing) == [".", "..", ".locks"]

@@ -16,11 +16,13 @@ temporary files no live process holds are removed when the store opens.
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import uuid
 import warnings
@@ -60,6 +62,14 @@ class CorruptRunError(RuntimeError):
     def __init__(self, message: str, reason: str = "") -> None:
         super().__init__(message)
         self.reason = reason or message
+
+
+class RunWriteError(OSError):
+    """A run could not be written to the store's folder; says which folder and why (``errno`` is
+    ``ENOSPC`` or ``EDQUOT`` when there was no room for it, else that of the error, or None)."""
+
+    def __str__(self) -> str:  # the message alone: it names the cause already, "[Errno None]" says nothing
+        return str(self.strerror)
 
 
 class UnverifiedRunError(CorruptRunError):
@@ -322,11 +332,15 @@ class RunStore:
         # plain write (0666 less the umask), so that a store shared by a group stays readable
         tmp = str(target.parent / f".{spec.spec_hash}.{uuid.uuid4().hex}.nc.tmp")
         with self.lock(spec):
-            os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
             try:
+                os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
                 ds.to_netcdf(tmp, engine=ENGINE)
                 _stamp(Path(tmp))
                 os.replace(tmp, target)
+            except (OSError, RuntimeError) as exc:  # netCDF reports a full disk as RuntimeError("NetCDF: HDF error")
+                if os.path.exists(tmp):
+                    os.unlink(tmp)  # first: the half-written file holds the room the check below looks for
+                raise _write_error(exc, spec, target.parent, ds.nbytes) from exc
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
@@ -407,6 +421,50 @@ class RunStore:
                 "version_drift": "; ".join(version_drift(ds.attrs, spec.domain)),
             })
         return pd.DataFrame(rows)
+
+
+#: Errors that mean "no room": a full device, a user's exhausted quota.
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_error(exc: BaseException, spec: RunSpec, folder: Path, nbytes: int) -> RunWriteError:
+    """What went wrong writing ``spec``'s run to ``folder``, as a :class:`RunWriteError` naming both.
+
+    netCDF (HDF5) turns a failed write into ``RuntimeError: NetCDF: HDF error``, without the
+    operating system's reason; whether the folder still has room for the run (about ``nbytes``,
+    the Dataset's size) is then asked of the file system itself: ``posix_fallocate`` of that many
+    bytes fails with ``ENOSPC`` or ``EDQUOT`` where there is none."""
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code not in _NO_ROOM:
+        code = _no_room(folder, nbytes) or code
+    where = f"cannot store run {spec.spec_hash} in {folder}"
+    if code in _NO_ROOM:
+        free = shutil.disk_usage(folder).free if folder.exists() else 0
+        why = ("no space left on device" if code == errno.ENOSPC else "disk quota exceeded") + \
+              f" ({errno.errorcode[code]}; {free / 2**20:.1f} MiB free there, the run needs about {nbytes / 2**20:.1f} MiB)"
+        return RunWriteError(code, f"{where}: {why}; free some space or set STABSTUDY_DATA to a folder "
+                                   "with room (the runs stored so far are whole: the next study resumes)")
+    return RunWriteError(code, f"{where}: {type(exc).__name__}: {exc}")
+
+
+def _no_room(folder: Path, nbytes: int) -> int | None:
+    """``ENOSPC`` / ``EDQUOT`` when ``folder``'s file system cannot give a file ``nbytes`` bytes now, else None."""
+    probe = folder / f".space-probe.{uuid.uuid4().hex}.tmp"
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError as exc:
+        return exc.errno if exc.errno in _NO_ROOM else None
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, max(int(nbytes), 1))
+        elif shutil.disk_usage(folder).free < nbytes:  # macOS, Windows: no way to reserve the room
+            return errno.ENOSPC
+    except OSError as exc:  # EOPNOTSUPP where the file system cannot tell: not known to be full
+        return exc.errno if exc.errno in _NO_ROOM else None
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def _stamp(path: Path) -> None:
