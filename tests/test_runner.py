@@ -196,20 +196,29 @@ recs = runner.run_grid(specs, scheduler="serial", store=RunStore(root / "runs"),
 """
 
 
-def test_two_studies_on_one_store_compute_each_run_once(tmp_path):
+def test_two_studies_on_one_store_compute_each_run_once_and_count_the_others_runs_as_stored(tmp_path):
+    """Each study's page then says how many runs it computed: a run the other stored is not one of them."""
     import json
     import os
     import subprocess
     import sys
 
+    from stabstudy.run.study import TerminalProgress
+
     n = 6
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, "-c", GRID, str(tmp_path), me, str(n)], env=env) for me in "ab"]
+    procs = [subprocess.Popen([sys.executable, "-c", GRID, str(tmp_path), me, str(n)],
+                              env={**env, runner.PROGRESS_ENV: str(tmp_path / f"progress-{me}.json")}) for me in "ab"]
     assert [p.wait(timeout=600) for p in procs] == [0, 0]
     computed = {me: json.loads((tmp_path / f"computed-{me}.json").read_text()) for me in "ab"}
     every = computed["a"] + computed["b"]
     assert len(every) == len(set(every)) == n  # each run computed once, by one of the two
     assert computed["a"] and computed["b"]  # and both did some: the second computed other runs
+    for me in "ab":  # what `stabstudy study` reads from the kernel's progress file
+        bars = TerminalProgress(me, tmp_path / f"progress-{me}.json")
+        bars.poll()
+        bars._close()
+        assert bars.runs == (len(computed[me]), n - len(computed[me])), me
 
 
 def test_a_grid_waits_for_a_run_another_process_holds_and_takes_it_over_when_that_process_dies(tmp_store, hold_lock):

@@ -98,6 +98,8 @@ class GridProgress:
     finished: bool = False
     notes: tuple[str, ...] = ()
     """Everything :func:`note` said in this process so far (corrupt, stale and failed runs, waits)."""
+    found: int = 0
+    """Runs another process stored while this grid ran (in ``done``, not in ``cached``): stored, not computed."""
 
 
 def write_progress(path: str | Path, state: GridProgress) -> None:
@@ -113,7 +115,7 @@ def read_progress(path: str | Path) -> GridProgress | None:
                             cached=int(d["cached"]), started_at=float(d["started_at"]),
                             elapsed_s=float(d["elapsed_s"]),
                             finished=bool(d.get("finished", False)),
-                            notes=tuple(str(n) for n in d.get("notes", ())))
+                            notes=tuple(str(n) for n in d.get("notes", ())), found=int(d.get("found", 0)))
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
@@ -130,12 +132,13 @@ class _Progress:
                         **({} if interactive else stored))
         self.file = os.environ.get(PROGRESS_ENV) or None
         self.grid, self.t0, self.started_at = next(_GRID_NUMBERS), time.monotonic(), time.time()
-        self.done, self.total, self.cached = cached, total, cached
+        self.done, self.total, self.cached, self.found = cached, total, cached, 0
         self._report()
 
-    def update(self) -> None:
-        """One more run finished."""
+    def update(self, found: bool = False) -> None:
+        """One more run finished; ``found``: another process stored it."""
         self.done += 1
+        self.found += int(found)
         self.bar.update()
         self._report()
 
@@ -148,7 +151,7 @@ class _Progress:
         if not self.file:
             return
         state = GridProgress(os.getpid(), self.grid, self.done, self.total, self.cached, self.started_at,
-                             time.monotonic() - self.t0, finished, tuple(_NOTES))
+                             time.monotonic() - self.t0, finished, tuple(_NOTES), self.found)
         try:
             write_progress(self.file, state)
         except OSError as e:  # the terminal's bar is a convenience: never fail a grid over it
@@ -451,7 +454,7 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
         s = claims.next(block)
         for h, st in claims.found.items():  # stored by another process meanwhile
             records[h] = RunRecord(next(x for x in work if x.spec_hash == h), st, True, 0.0)
-            bar.update()
+            bar.update(found=True)
         claims.found.clear()
         return s
 

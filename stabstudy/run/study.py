@@ -171,7 +171,8 @@ class TerminalProgress:
         self._grid: tuple[int, int] | None = None
         self._finished: set[tuple[int, int]] = set()
         self._noted: dict[int, int] = {}  # kernel pid -> notes already printed
-        self._counts: dict[tuple[int, int], tuple[int, int]] = {}  # (pid, grid) -> (runs, found stored)
+        # (pid, grid) -> (runs, found stored: at the start, or stored by another process meanwhile)
+        self._counts: dict[tuple[int, int], tuple[int, int]] = {}
         self._tty = bool(getattr(sys.stderr, "isatty", lambda: False)())
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"progress-{notebook}", daemon=True)
@@ -207,7 +208,7 @@ class TerminalProgress:
             tqdm.write(f"   {self.notebook}: " + text.replace("\n", "\n     "), file=sys.stderr)
         self._noted[state.pid] = len(state.notes)
         key = (state.pid, state.grid)
-        self._counts[key] = (state.total, state.cached)
+        self._counts[key] = (state.total, state.cached + state.found)
         if key in self._finished:
             return  # the grid ended and its bar is closed; the next one has not started
         if self.bar is None or key != self._grid:
