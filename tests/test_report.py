@@ -115,3 +115,34 @@ def test_publishing_one_notebook_keeps_the_other_pages_and_drops_removed_noteboo
     report.publish("quick")
     assert not (out / "00_demo.md").exists() and not (out / "figures" / "00_demo").exists()
     assert "00_demo" not in (out / "CLAIMS.md").read_text()
+
+
+def _unfinish(nb, how):
+    """``nb`` as a study that did not finish leaves it: killed, failed in a cell, or interrupted."""
+    code = nb.cells[1]
+    if how == "killed":  # papermill writes the end time when the kernel is done; a killed study never is
+        nb.metadata["papermill"] = {"start_time": "2026-12-02T03:00:00", "end_time": None, "duration": None}
+        code.outputs = code.outputs[:1]
+    elif how == "failed":
+        nb.metadata["papermill"].update(exception=True)
+        code.outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom", traceback=[])]
+    else:  # as `stabstudy study` marks one stopped by Ctrl-C
+        nb.metadata["papermill"].update(exception=True)
+        nb.metadata["stabstudy"] = {"interrupted": True}
+        code.outputs = [nbformat.v4.new_output("error", ename="KeyboardInterrupt", evalue="", traceback=[])]
+    return nb
+
+
+@pytest.mark.parametrize("how, says", [("killed", "no end time"), ("failed", "cell 2 raised ValueError: boom"),
+                                       ("interrupted", "interrupted")])
+def test_an_execution_that_did_not_finish_is_refused_and_the_published_page_kept(study, capsys, how, says):
+    report.publish("quick")
+    out = study / "results" / "quick"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    executed = study / "build" / "quick" / "00_demo.ipynb"
+    nbformat.write(_unfinish(nbformat.read(executed, as_version=4), how), executed)
+    assert main(["report", "--profile", "quick"]) == 1
+    err = capsys.readouterr().err
+    assert f"stabstudy report: error: {executed} did not finish" in err and says in err, err
+    assert "nothing was published" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before

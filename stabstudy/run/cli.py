@@ -100,6 +100,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"stabstudy report: error: {exc}", file=sys.stderr)
         return 2
+    except report.UnfinishedExecutionError as exc:
+        print(f"stabstudy report: error: {exc}", file=sys.stderr)
+        return 1
     print(f"{len(out)} files in {paths.results_dir(args.profile)}/ (start with CLAIMS.md)")
     return 0
 

@@ -15,6 +15,9 @@ executed notebooks and each notebook's claims table) and ``figures/`` into
 * ``figures/<notebook>/*.png``;
 * ``manifest.json``: a content hash of every source file that made them.
 
+An executed notebook that did not run to its end (killed, a cell that raised, stopped by Ctrl-C:
+:func:`unfinished`) is refused: nothing is published and the pages stay as they were.
+
 ``check(profile)`` compares that manifest with the files now in ``stabstudy/`` and
 ``notebooks/`` (the profiles included) and names what changed.
 """
@@ -87,6 +90,32 @@ def _executed(profile: str) -> list[Path]:
     if not nbs:
         raise FileNotFoundError(f"no executed notebooks in {src}; run `stabstudy study --profile {profile}` first")
     return nbs
+
+
+class UnfinishedExecutionError(RuntimeError):
+    """An executed notebook in ``build/<profile>/`` did not run to its end: nothing is published."""
+
+
+def unfinished(node) -> str | None:
+    """Why the executed notebook ``node`` (nbformat) did not run to its end, or None when it did:
+    stopped by Ctrl-C (``stabstudy study`` marks it), a cell that raised, or no end time (the study
+    was killed, or is still running)."""
+    pm = node.metadata.get("papermill", {})
+    errors = [(i, o) for i, c in enumerate(node.cells, 1) for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    where = f" at cell {errors[0][0]} of {len(node.cells)}" if errors else ""
+    if node.metadata.get("stabstudy", {}).get("interrupted"):
+        return f"it was interrupted{where}"
+    if errors:
+        i, o = errors[0]
+        return f"cell {i} raised {o.get('ename', 'an error')}: {o.get('evalue', '')}".rstrip(": ")
+    if pm.get("exception"):
+        return "papermill recorded an exception"
+    if not pm.get("end_time"):
+        ran = sum(1 for c in node.cells if c.get("cell_type") == "code" and c.get("outputs"))
+        code = sum(1 for c in node.cells if c.get("cell_type") == "code")
+        return (f"it has no end time (the study was killed, or is still running; {ran} of {code} code cells "
+                "have output)")
+    return None
 
 
 def _render(nb: Path, out: Path) -> dict:
@@ -181,9 +210,18 @@ def publish(profile: str = "quick") -> list[Path]:
     The notebooks executed in ``build/<profile>/`` replace their pages; the pages of the other
     notebooks stay as they were published, with their own commit and date (a study run with
     ``--only`` publishes what it ran and keeps the rest). ``CLAIMS.md`` names each page's commit."""
+    import nbformat
+
     from stabstudy.run.store import git_commit
 
     executed = _executed(profile)
+    refused = [(nb, why) for nb in executed if (why := unfinished(nbformat.read(nb, as_version=4)))]
+    if refused:  # before anything is touched: the published pages stay as they are
+        raise UnfinishedExecutionError(
+            "\n".join(f"{nb} did not finish: {why}" for nb, why in refused) +
+            f"\nnothing was published; run them again (`stabstudy study --profile {profile} --only "
+            + " ".join(nb.stem[:2] for nb, _ in refused) + "`: stored runs are reused), or delete them from "
+            f"{paths.build_dir() / profile} to publish the others")
     commit = git_commit()  # before the old pages go: removing tracked files would read as +dirty
     out = paths.results_dir(profile)
     stems = [nb.stem for nb in executed]
