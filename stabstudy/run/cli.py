@@ -43,6 +43,12 @@ def _cmd_study(args: argparse.Namespace) -> int:
     except SchedulerUnreachableError as exc:
         print(f"stabstudy study: error: {exc}", file=sys.stderr)
         return 2
+    except study.StudyInterrupted as exc:
+        where = (f"in {exc.notebook}; its executed copy, marked interrupted, is {exc.executed}" if exc.executed
+                 else f"before {exc.notebook}")
+        print(f"stabstudy study: interrupted {where}. The runs stored so far are whole: the same "
+              f"command resumes from them (runs in {paths.runs_dir()}/)", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     total, cpu = sum(t[1] for t in timings), sum(t[2] for t in timings)
     print(f"study ({args.profile}) done: {len(timings)} notebooks in {total:.0f} s wall, {cpu / 3600:.2f} CPU-hours; "
           f"executed copies in {paths.build_dir() / args.profile}/, figures in {paths.figures_dir()}/, "

@@ -430,8 +430,9 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
     Each run is claimed (:meth:`RunStore.claim`) while it is computed: another grid on the same
     store computes other runs, then waits for these and reuses them (``cached``). On Dask, at most
     twice as many runs as the cluster has threads at the moment are claimed (and submitted) at a
-    time, so that two grids share the work. Ctrl-C cancels outstanding runs; finished runs stay stored (each written
-    atomically), so calling again resumes.
+    time, so that two grids share the work. Ctrl-C cancels the runs not started and drops those in flight
+    (on Dask they run to their end on the workers, unused); finished runs stay stored (each written
+    atomically), so calling again resumes. It raises ``KeyboardInterrupt`` saying how many were stored.
     """
     store = store or RunStore()
     specs = list(specs)
@@ -495,6 +496,12 @@ def run_grid(specs: Iterable[RunSpec], scheduler: str | None = None, store: RunS
             except BaseException:
                 client.cancel(list(futures))
                 raise
+    except KeyboardInterrupt:
+        computed = sum(1 for r in records.values() if not r.cached)
+        # a fresh exception, without the Dask or learner frames it came through: IPython takes seconds to
+        # format those, which a notebook stopped by Ctrl-C would wait for
+        raise KeyboardInterrupt(f"run_grid interrupted: {computed} of the {len(work)} runs to compute were stored, "
+                                "the others not (those in flight dropped); calling it again resumes") from None
     finally:
         claims.release_all()
         bar.close()

@@ -16,16 +16,22 @@ make (corrupt, stale or failed runs, waits for another study's runs). The execut
 then stored as a reader sees it: consecutive stream outputs merged, progress bars
 reduced to their last state (:func:`collapse_streams`); warnings it printed are
 repeated on the terminal (:func:`warnings_in`).
+
+Ctrl-C stops the study within seconds (:class:`Interrupt`): the running kernel's grid cancels the
+runs not started and drops those in flight, no further cell or notebook starts, the executed copy is
+marked interrupted (``stabstudy report`` refuses it), and the same command resumes from the runs stored.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -279,25 +285,87 @@ class CpuMeter:
                 continue
 
 
+#: The kernel managers this process made (:func:`kernel_manager_class`): where Ctrl-C is passed on.
+_KERNELS: weakref.WeakSet = weakref.WeakSet()
+
+
 def kernel_manager_class() -> type:
     """The Jupyter kernel manager the study's kernels run under: local IPC sockets, not TCP.
 
     ipykernel prints "Kernel is running over TCP without encryption" on the terminal for every
     kernel it serves over TCP, a warning a user cannot act on. The study's kernels live on this
     machine only, so Unix-domain sockets (in Jupyter's private runtime folder) need no
-    encryption; where there are none (Windows) the default TCP transport stays.
+    encryption; where there are none (Windows) the default TCP transport stays. Each manager is
+    kept (weakly) so that :class:`Interrupt` can reach its kernel.
     """
     from jupyter_client.manager import KernelManager
 
-    if os.name != "posix":
-        return KernelManager
-
-    class IPCKernelManager(KernelManager):
+    class StudyKernelManager(KernelManager):
         def __init__(self, **kwargs: Any):
-            kwargs.setdefault("transport", "ipc")
+            if os.name == "posix":
+                kwargs.setdefault("transport", "ipc")
             super().__init__(**kwargs)
+            _KERNELS.add(self)
 
-    return IPCKernelManager
+    return StudyKernelManager
+
+
+class StudyInterrupted(Exception):
+    """Ctrl-C stopped ``stabstudy study`` in notebook ``notebook`` (its executed copy, marked
+    interrupted, is ``executed``), or before it started (``executed`` None)."""
+
+    def __init__(self, notebook: str, executed: Path | None) -> None:
+        super().__init__(f"interrupted {'in' if executed else 'before'} {notebook}")
+        self.notebook, self.executed = notebook, executed
+
+
+class Interrupt:
+    """Ctrl-C during a study, as a context manager around the notebooks' execution (main thread only).
+
+    The kernel runs in a session of its own (jupyter_client starts it so), so a terminal's SIGINT
+    reaches this process only. The first one is passed on to the running kernel alone, not to its
+    process group: the cell's grid gets ``KeyboardInterrupt``, cancels the runs not started and
+    drops those in flight (a run's file is written whole or not at all), and the cell ends. No
+    cell starts after it (:meth:`before_cell`, nbclient's ``on_cell_execute`` hook, also where the
+    signal came while the kernel was between two cells and ignored it), and no notebook
+    (:attr:`requested`). A second SIGINT stops this process at once.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> Interrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested:  # the second Ctrl-C: now
+            signal.signal(signal.SIGINT, self._previous)
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstabstudy: Ctrl-C: stopping after the runs in flight are dropped (Ctrl-C again to stop now)",
+              file=sys.stderr, flush=True)
+        for km in list(_KERNELS):
+            pid = getattr(getattr(km, "provisioner", None), "pid", None)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:  # that kernel has ended
+                    pass
+
+    def before_cell(self, cell: Any = None, cell_index: int | None = None, **kw: Any) -> None:
+        """nbclient's ``on_cell_execute`` hook: refuse to start a cell once interrupted."""
+        if self.requested:
+            from nbclient.exceptions import CellExecutionError
+
+            raise CellExecutionError("stabstudy study was interrupted before this cell", "KeyboardInterrupt",
+                                     "interrupted before this cell")
 
 
 def expected_times(profile: str, stems: Sequence[str]) -> str | None:
@@ -382,21 +450,31 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     env_backup = {k: os.environ.get(k) for k in ("MPLBACKEND", PROGRESS_ENV)}
     os.environ.setdefault("MPLBACKEND", "Agg")
     try:
-        with tempfile.TemporaryDirectory(prefix="stabstudy-progress-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="stabstudy-progress-") as tmp, Interrupt() as stop:
             for nb in selected:
+                if stop.requested:  # Ctrl-C as the last notebook ended: it finished, the next does not start
+                    raise StudyInterrupted(nb.stem, None)
                 t0 = time.perf_counter()
                 print(f"== {nb.stem} ({profile})", flush=True)
                 progress = Path(tmp) / f"{nb.stem}.json"
                 os.environ[PROGRESS_ENV] = str(progress)  # the kernel inherits it
                 cpu, bars = CpuMeter(), TerminalProgress(nb.stem, progress)
+                ended = False
                 try:
                     with bars, cpu:
                         pm.execute_notebook(str(nb), str(out_dir / nb.name), cwd=str(paths.root()),
                                             parameters=parameters_for(nb, profile, scheduler, retry_failed),
                                             kernel_name="python3", progress_bar=True,
-                                            kernel_manager_class=kernel_manager_class())
-                finally:  # a failed notebook's executed copy is read too
-                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs, commit=commit)
+                                            kernel_manager_class=kernel_manager_class(),
+                                            on_cell_execute=stop.before_cell)
+                    ended = True
+                except BaseException as exc:  # a second Ctrl-C (KeyboardInterrupt) included
+                    if stop.requested:
+                        raise StudyInterrupted(nb.stem, out_dir / nb.name) from exc
+                    raise
+                finally:  # a failed or interrupted notebook's executed copy is read too
+                    _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs, commit=commit,
+                          interrupted=stop.requested and not ended)
                 timings.append((nb.stem, time.perf_counter() - t0, cpu.seconds))
                 print(f"   {nb.stem}: {timings[-1][1]:.0f} s wall, {cpu.seconds:.0f} CPU-s", flush=True)
     finally:
@@ -409,10 +487,11 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
 
 
 def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | None = None,
-          commit: str | None = None) -> None:
+          commit: str | None = None, interrupted: bool = False) -> None:
     """Store ``executed`` with :func:`collapse_streams` applied (and, for the report, its CPU seconds,
     the runs it computed and found stored and the commit it ran at in the metadata:
-    ``stabstudy.cpu_s``, ``stabstudy.runs_computed``, ``stabstudy.runs_stored``, ``stabstudy.commit``)
+    ``stabstudy.cpu_s``, ``stabstudy.runs_computed``, ``stabstudy.runs_stored``, ``stabstudy.commit``;
+    ``stabstudy.interrupted`` where Ctrl-C stopped it, which ``stabstudy report`` refuses)
     and repeat its warnings on the terminal."""
     import nbformat
 
@@ -425,6 +504,8 @@ def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | No
         node.metadata.setdefault("stabstudy", {}).update(runs_computed=int(runs[0]), runs_stored=int(runs[1]))
     if commit is not None:
         node.metadata.setdefault("stabstudy", {})["commit"] = commit
+    if interrupted:
+        node.metadata.setdefault("stabstudy", {})["interrupted"] = True
     nbformat.write(node, executed)
     found = warnings_in(node)
     if found:
