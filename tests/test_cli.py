@@ -331,3 +331,37 @@ def test_runs_of_a_folder_that_does_not_exist_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"stabstudy runs: error: no run store at {missing}" in err
     assert not missing.exists()  # looking did not create it
+
+
+def test_a_notebook_that_fails_on_a_full_disk_ends_the_study_with_the_cause_not_a_traceback(
+        tmp_store, tmp_path, monkeypatch, capsys):
+    """The kernel's grid raises RunWriteError (tests/test_store.py); the terminal gets one line naming the
+    notebook, the folder and the cause, and where the executed copy with the traceback is."""
+    import nbformat
+    import papermill
+
+    from stabstudy.run.store import RunWriteError
+    from stabstudy.spec import RunSpec
+
+    src = tmp_path / "00_fake.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), src)
+    monkeypatch.setattr(study, "notebooks", lambda: [src])
+    monkeypatch.setattr(study.paths, "build_dir", lambda: tmp_path / "build")
+    s = RunSpec("toy", "gd", "digits", steps=3, seed=0, hparams={"width": 8})
+
+    def fake_execute(input_path, output_path, **kw):  # the kernel, in this process
+        from stabstudy.run import store
+
+        try:
+            raise store._write_error(OSError(28, "No space left on device"), s, tmp_store.root, 10**6)
+        except RunWriteError as e:
+            nbformat.write(nbformat.v4.new_notebook(), output_path)
+            raise papermill.PapermillExecutionError(3, 2, "run_grid(specs)", "RunWriteError", str(e), ["..."]) from e
+
+    monkeypatch.setattr(papermill, "execute_notebook", fake_execute)
+    assert main(["study", "--profile", "smoke"]) == 1
+    err = capsys.readouterr().err
+    assert (f"stabstudy study: error: 00_fake failed: cell 4 raised RunWriteError: cannot store run {s.spec_hash} "
+            f"in {tmp_store.root}: no space left on device") in err
+    assert f"the executed copy with the traceback: {tmp_path / 'build' / 'smoke' / '00_fake.ipynb'}" in err
+    assert "Traceback" not in err

@@ -43,6 +43,9 @@ def _cmd_study(args: argparse.Namespace) -> int:
     except SchedulerUnreachableError as exc:
         print(f"stabstudy study: error: {exc}", file=sys.stderr)
         return 2
+    except study.NotebookFailed as exc:
+        print(f"stabstudy study: error: {exc}", file=sys.stderr)
+        return 1
     except study.StudyInterrupted as exc:
         where = (f"in {exc.notebook}; its executed copy, marked interrupted, is {exc.executed}" if exc.executed
                  else f"before {exc.notebook}")

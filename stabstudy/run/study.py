@@ -319,6 +319,16 @@ class StudyInterrupted(Exception):
         self.notebook, self.executed = notebook, executed
 
 
+class NotebookFailed(Exception):
+    """A cell of notebook ``notebook`` raised (``ename: evalue``); its executed copy, with the
+    traceback, is ``executed``. The study stops there."""
+
+    def __init__(self, notebook: str, executed: Path, cell: int, ename: str, evalue: str) -> None:
+        super().__init__(f"{notebook} failed: cell {cell} raised {ename}: {evalue} (the executed copy with the "
+                         f"traceback: {executed}; the runs stored so far are whole, the same command resumes)")
+        self.notebook, self.executed, self.ename, self.evalue = notebook, executed, ename, evalue
+
+
 class Interrupt:
     """Ctrl-C during a study, as a context manager around the notebooks' execution (main thread only).
 
@@ -426,7 +436,8 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
     Validation happens before anything is executed or written, the scheduler's too: one that does
     not answer (``scheduler``, else ``$STABSTUDY_SCHEDULER``) raises
     :class:`~stabstudy.run.runner.SchedulerUnreachableError` within seconds, naming its address.
-    Stops at the first failing notebook (papermill keeps the executed copy with the error).
+    Stops at the first failing notebook with :class:`NotebookFailed` (papermill keeps the executed
+    copy with the error), and on Ctrl-C with :class:`StudyInterrupted` (:class:`Interrupt`).
     Each executed copy is stored with :func:`collapse_streams` applied. ``retry_failed``: every
     notebook's grids recompute the runs stored as failed.
     """
@@ -471,6 +482,9 @@ def run_study(profile: str = "quick", only: Sequence[str] | None = None, schedul
                 except BaseException as exc:  # a second Ctrl-C (KeyboardInterrupt) included
                     if stop.requested:
                         raise StudyInterrupted(nb.stem, out_dir / nb.name) from exc
+                    if isinstance(exc, pm.PapermillExecutionError):  # its own text is the whole traceback
+                        raise NotebookFailed(nb.stem, out_dir / nb.name, exc.cell_index + 1, exc.ename,
+                                             exc.evalue) from exc
                     raise
                 finally:  # a failed or interrupted notebook's executed copy is read too
                     _tidy(out_dir / nb.name, cpu_s=cpu.seconds, runs=bars.runs, commit=commit,
