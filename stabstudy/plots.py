@@ -9,6 +9,9 @@ text of different panels still overlaps, which an executed notebook then shows a
 
 from __future__ import annotations
 
+import base64
+import io
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,11 +53,27 @@ class OverlapWarning(UserWarning):
 _NO_DATES: dict[str, dict] = {"pdf": {"CreationDate": None, "ModDate": None}, "svg": {"Date": None}}
 
 
-def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] = ("png", "pdf")) -> list[Path]:
+#: Where a figure :func:`savefig` shows in a notebook says which it is (``<notebook>/<name>.png``), in
+#: the output's metadata: ``stabstudy report`` links the published PNG there.
+FIGURE_KEY = "stabstudy_figure"
+
+
+class SavedFigure(list):
+    """The paths :func:`savefig` wrote. As a cell's last value it shows nothing: the figure is shown
+    (a list of this machine's paths would be printed into the executed notebook and its page)."""
+
+    def _ipython_display_(self) -> None:
+        pass
+
+
+def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] = ("png", "pdf")) -> SavedFigure:
     """Save ``fig`` as ``figures/<notebook>/<name>.<fmt>`` for each format; return the paths.
 
     Warns :class:`OverlapWarning` (and saves all the same) when :func:`overlaps` finds text of
-    different panels overlapping: the figure is still worth having, but needs a fix.
+    different panels overlapping: the figure is still worth having, but needs a fix. In a
+    notebook kernel whose matplotlib backend does not show figures itself (``stabstudy study``
+    runs them under Agg) the saved PNG is shown in the cell, marked with :data:`FIGURE_KEY`, so
+    that the executed notebook and its published page carry every figure it made.
     """
     clashes = overlaps(fig)
     if clashes:
@@ -62,12 +81,33 @@ def savefig(fig: plt.Figure, notebook: str, name: str, formats: tuple[str, ...] 
         warnings.warn(f"figure {notebook}/{name}: " + "; ".join(clashes[:3]) + more, OverlapWarning, stacklevel=2)
     out = paths.figures_dir(notebook)
     out.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = SavedFigure()
     for fmt in formats:
         p = out / f"{name}.{fmt}"
         fig.savefig(p, metadata=_NO_DATES.get(fmt))
         written.append(p)
+    _show(fig, notebook, name, out / f"{name}.png" if "png" in formats else None)
     return written
+
+
+def _show(fig: plt.Figure, notebook: str, name: str, png: Path | None) -> None:
+    """Display ``fig`` (the saved ``png``, else one made now) in the running kernel, if any, unless
+    its inline backend will show the figure itself at the end of the cell."""
+    ipython = sys.modules.get("IPython")  # imported by a kernel; a script or a test has none running
+    shell = ipython.get_ipython() if ipython is not None else None
+    if shell is None or getattr(shell, "kernel", None) is None or "inline" in plt.get_backend():
+        return
+    if png is None:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
+        data = buf.getvalue()
+    else:
+        data = png.read_bytes()
+    # here, not at the top: IPython is there wherever a kernel runs, and figures need none
+    from IPython.display import display
+
+    display({"image/png": base64.b64encode(data).decode(), "text/plain": f"figure {notebook}/{name}"},
+            raw=True, metadata={FIGURE_KEY: f"{notebook}/{name}.png"})
 
 
 def mark_window(ax: plt.Axes, start: float, end: float, label: str | None = "perturbation", **kw) -> None:

@@ -10,7 +10,7 @@ import nbformat
 import pytest
 
 from stabstudy import paths
-from stabstudy.run import study
+from stabstudy.run import pages, study
 
 NOTEBOOKS = study.notebooks()
 
@@ -106,6 +106,12 @@ def test_notebook_runs_under_smoke(nb, tmp_path, monkeypatch, capfd, caplog):
     assert study.warnings_in(nbformat.from_dict(executed)) == []
     figures = list((tmp_path / "figures" / nb.stem).glob("*.png"))
     assert figures, f"{nb.stem} wrote no figure into figures/{nb.stem}/"
+    # its page (stabstudy report) shows every figure it made, tables as Markdown, no path of this machine
+    page = pages.render(nbformat.read(tmp_path / "build" / nb.name, as_version=4), nb.stem, tmp_path / "page").read_text()
+    missing = [p.name for p in figures if f"](figures/{nb.stem}/{p.name})" not in page]
+    assert not missing, f"{nb.stem}'s page lacks the figures {missing}"
+    for text in ("<style", "<table", "PosixPath", str(tmp_path), str(paths.root()), "ipykernel_"):
+        assert text not in page, f"{nb.stem}'s page shows {text!r}"
     runs = {p: p.stat().st_mtime_ns for p in (tmp_path / "data" / "runs").glob("*.nc")}
     assert runs, f"{nb.stem} stored no run"
     assert paths.figures_dir(nb.stem) == tmp_path / "figures" / nb.stem

@@ -146,3 +146,57 @@ def test_an_execution_that_did_not_finish_is_refused_and_the_published_page_kept
     assert f"stabstudy report: error: {executed} did not finish" in err and says in err, err
     assert "nothing was published" in err
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+#: A small notebook as the study's notebooks are: a figure saved as the cell's last value, a table with
+#: two header rows and an index, a warning from a cell and a library, and this machine's paths printed.
+DEMO = [
+    'profile = "quick"\nscheduler = ""\nretry_failed = False',
+    "import warnings\nimport matplotlib.pyplot as plt\nimport pandas as pd\nfrom stabstudy import paths, plots\n"
+    "plots.setup()\nfig, ax = plt.subplots(figsize=(3, 2))\nax.plot([0, 1], [1, 0])\n"
+    'plots.savefig(fig, "00_page", "curve")',
+    'df = pd.DataFrame({("final", "iqm"): [1.5, 2.0], ("final", "max"): [3.0, 4.0]},\n'
+    '                  index=pd.Index(["ppo", "sac"], name="learner"))\ndisplay(df)',
+    'warnings.warn("careful")\nprint("stored in", paths.runs_dir(), "from", paths.root() / "stabstudy")\n'
+    "import scipy, os\nprint(os.path.dirname(scipy.__file__))",
+]
+
+
+def test_a_page_shows_every_figure_and_table_and_no_path_of_this_machine(tmp_path, monkeypatch):
+    """An executed notebook (a real kernel, as `stabstudy study` runs it) rendered by the report."""
+    from stabstudy.run import study as S
+
+    monkeypatch.setenv("STABSTUDY_ROOT", str(tmp_path))
+    monkeypatch.delenv("STABSTUDY_FIGURES", raising=False)
+    monkeypatch.delenv("STABSTUDY_DATA", raising=False)
+    (tmp_path / "notebooks").mkdir()
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
+                                                           "display_name": "Python 3"}})
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in DEMO]
+    nb.cells[0].metadata["tags"] = ["parameters"]
+    nbformat.write(nb, tmp_path / "notebooks" / "00_page.ipynb")
+    S.run_study("quick")
+    report.publish("quick")
+    out = tmp_path / "results" / "quick"
+    page = (out / "00_page.md").read_text()
+    assert "![curve](figures/00_page/curve.png)" in page  # the figure, next to the page
+    assert (out / "figures" / "00_page" / "curve.png").read_bytes() == \
+        (tmp_path / "figures" / "00_page" / "curve.png").read_bytes()
+    assert not list(out.glob("00_page_files/*"))  # not a second copy of it
+    assert "| learner | final iqm | final max |" in page and "| ppo | 1.5 | 3.0 |" in page
+    for html in ("<style", "<table", "<div"):
+        assert html not in page, html
+    assert "PosixPath" not in page and str(tmp_path) not in page and "ipykernel_" not in page
+    assert "stored in data/runs from ./stabstudy" in page
+    assert "<cell>:1: UserWarning: careful" in page and "    site-packages/scipy\n" in page
+
+
+def test_markdown_table_repeats_spanning_cells_and_escapes_bars():
+    from stabstudy.run.pages import markdown_table
+
+    html = ("<table><thead><tr><th></th><th colspan='2'>final</th></tr><tr><th>learner</th><th>a|b</th><th>max</th>"
+            "</tr></thead><tbody><tr><th rowspan='2'>ppo</th><td>1</td><td>2</td></tr><tr><td>3</td><td>4</td></tr>"
+            "</tbody></table>")
+    assert markdown_table(html).splitlines() == [
+        "| learner | final a\\|b | final max |", "|---|---|---|", "| ppo | 1 | 2 |", "| ppo | 3 | 4 |"]
+    assert markdown_table("<p>no table</p>") is None

@@ -10,8 +10,10 @@ executed notebooks and each notebook's claims table) and ``figures/`` into
   regenerating the report from the same study gives the same bytes);
 * ``FINDINGS.md``: per notebook, its question and the answer written from its confirmatory
   verdicts (:mod:`stabstudy.run.findings`);
-* ``<notebook>.md`` with its images as separate PNG files in ``<notebook>_files/`` (stream
-  outputs as a terminal shows them: a progress bar is its last state, not each redraw);
+* ``<notebook>.md`` (:mod:`stabstudy.run.pages`): each figure it made as a relative link to
+  ``figures/<notebook>/<name>.png``, other images as PNG files in ``<notebook>_files/``, tables as
+  Markdown, no path of the machine it ran on (stream outputs as a terminal shows them: a progress
+  bar is its last state, not each redraw);
 * ``figures/<notebook>/*.png``;
 * ``manifest.json``: a content hash of every source file that made them.
 
@@ -119,30 +121,17 @@ def unfinished(node) -> str | None:
 
 
 def _render(nb: Path, out: Path) -> dict:
-    """``nb`` as ``out/<stem>.md`` with images in ``out/<stem>_files/``; returns what its execution
+    """``nb`` as ``out/<stem>.md`` (:func:`stabstudy.run.pages.render`); returns what its execution
     measured: ``wall_s``, ``end`` (time), and as ``stabstudy study`` measured them (NaN or -1 where it
     did not) ``cpu_s``, ``runs_computed``, ``runs_stored`` and ``commit`` (absent where it did not:
     the report's own commit stands in)."""
     import nbformat
-    from nbconvert import MarkdownExporter
 
-    from stabstudy.run.study import collapse_streams
+    from stabstudy.run import pages
 
-    # as a reader of the notebook would see it: a progress bar's redraws are one line, not dozens
-    # (`stabstudy study` stores them so already; notebooks executed otherwise may not be)
-    node = collapse_streams(nbformat.read(nb, as_version=4))
+    node = nbformat.read(nb, as_version=4)
     pm = node.metadata.get("papermill", {})
-    for cell in node.cells:  # papermill's per-cell timings would make every report differ
-        cell.metadata.pop("papermill", None)
-        cell.metadata.pop("execution", None)
-    files = f"{nb.stem}_files"
-    body, resources = MarkdownExporter().from_notebook_node(
-        node, resources={"output_files_dir": files, "unique_key": nb.stem})
-    (out / f"{nb.stem}.md").write_text(body)
-    for name, data in sorted(resources.get("outputs", {}).items()):
-        target = out / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+    pages.render(node, nb.stem, out)
     meta = node.metadata.get("stabstudy", {})
     cpu = meta.get("cpu_s")
     return {"wall_s": float(pm.get("duration") or float("nan")), "end": str(pm.get("end_time") or ""),
@@ -240,11 +229,11 @@ def publish(profile: str = "quick") -> list[Path]:
     sources = source_hashes()
     pages = dict(kept)
     for nb in executed:
-        measured = _render(nb, out)
         for png in sorted(paths.figures_dir(nb.stem).glob("*.png")):
             target = out / "figures" / nb.stem / png.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(png, target)
+        measured = _render(nb, out)  # after the copies: a figure the page shows is its execution's own
         # the execution's own commit (in measured) wins over the report's
         table = _claims_table(profile, nb.stem)
         page = {"commit": commit, **measured, "claims": _claims_rows(table, nb.stem), "sources": sources,
