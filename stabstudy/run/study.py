@@ -343,16 +343,21 @@ class Interrupt:
 
     def __init__(self) -> None:
         self.requested = False
-        self._previous: Any = None
+        self._installed = False
+        self._previous: Any = signal.default_int_handler
 
     def __enter__(self) -> Interrupt:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+        # signals reach the main thread only; a process started to ignore SIGINT (`nohup`, `&`) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            # None: a handler not set from Python, which cannot be put back; Python's own stands in
+            self._previous = signal.signal(signal.SIGINT, self._handle) or signal.default_int_handler
+            self._installed = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous is not None:
+        if self._installed:
             signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
 
     def _handle(self, signum: int, frame: Any) -> None:
         if self.requested:  # the second Ctrl-C: now
