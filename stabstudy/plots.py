@@ -2,9 +2,12 @@
 one run's telemetry (:func:`telemetry`).
 
 :func:`setup` makes every new figure use constrained layout (panels, labels and titles
-spaced so they do not collide); :func:`savefig` warns (:class:`OverlapWarning`) when
-text of different panels still overlaps, which an executed notebook then shows and
-``stabstudy study`` repeats on the terminal. Needs the ``[plot]`` extra (matplotlib, seaborn).
+spaced so they do not collide) and compact numbers on long axes; :func:`savefig` shows the
+figure in the executed notebook (its page links it) and warns (:class:`OverlapWarning`) when
+text of different panels still overlaps or tick labels run together, which an executed
+notebook then shows and ``stabstudy study`` repeats on the terminal. :func:`log_ticks_at`,
+:func:`turn_labels`, :func:`legend_beside` and :func:`symlog_if_dwarfed` are the usual fixes.
+Needs the ``[plot]`` extra (matplotlib, seaborn).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import TYPE_CHECKING
 import matplotlib.pyplot as plt  # headless: matplotlib falls back to Agg without a display
 import numpy as np
 import seaborn as sns
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+from matplotlib.legend import Legend
+from matplotlib.textpath import TextToPath
+from matplotlib.ticker import FixedLocator, Formatter, NullFormatter, NullLocator
 
 from stabstudy import paths
 
@@ -42,11 +47,15 @@ def setup() -> None:
                          # constrained layout for every figure: tick labels and titles of neighbouring
                          # panels otherwise collide (a later fig.tight_layout() replaces it, with a warning)
                          "figure.constrained_layout.use": True,
+                         # environment steps (260000 280000 ...) as 2.6 2.8 ... x10^5: six-digit labels
+                         # run together on a panel's axis
+                         "axes.formatter.limits": (-4, 4), "axes.formatter.use_mathtext": True,
                          "svg.hashsalt": "stabstudy"})  # fixed SVG ids: same data, same bytes
 
 
 class OverlapWarning(UserWarning):
-    """Text of different panels of a saved figure overlaps (see :func:`overlaps`)."""
+    """Text of different panels of a saved figure overlaps, or tick labels of one axis run together
+    (see :func:`overlaps`)."""
 
 
 #: No creation dates in saved files, so the same data give the same bytes (published results are diffed).
@@ -115,18 +124,87 @@ def mark_window(ax: plt.Axes, start: float, end: float, label: str | None = "per
     ax.axvspan(start, end, color=kw.pop("color", "tab:red"), alpha=kw.pop("alpha", 0.15), label=label, lw=0, **kw)
 
 
+class SpacedLabels(Formatter):
+    """Plain-number tick labels (``%g``) that leave out a label which would come closer than
+    :data:`TICK_GAP_EM` to the one kept before it on an x axis, or touch it on a y axis (its tick
+    keeps its mark). Which fit depends on
+    the panel's drawn length, so it is decided at every draw, from the font's own glyph widths
+    (the same in PNG and PDF)."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        return f"{x:g}"
+
+    def format_ticks(self, values) -> list[str]:
+        labels = [self(v) for v in values]
+        if self.axis is None or len(labels) < 2:
+            return labels
+        ax, horizontal = self.axis.axes, self.axis.axis_name == "x"
+        font = self.axis.majorTicks[0].label1.get_fontproperties()
+        scale = ax.figure.dpi / 72
+        at = ax.transData.transform([(v, 1.0) if horizontal else (1.0, v) for v in values])[:, 0 if horizontal else 1]
+        if horizontal:  # side by side: a space between them at least
+            size = [_TEXT.get_text_width_height_descent(lab, font, ismath=False)[0] * scale for lab in labels]
+            gap = TICK_GAP_EM * font.get_size_in_points() * scale
+        else:  # stacked up the axis like lines of text: their height is what may collide
+            size, gap = [font.get_size_in_points() * scale] * len(labels), 0.0
+        end, shown = -np.inf, list(labels)
+        for k in np.argsort(at):
+            if at[k] - size[k] / 2 < end + gap:
+                shown[k] = ""
+            else:
+                end = at[k] + size[k] / 2
+        return shown
+
+
+#: Measures text with the font's own metrics, whichever backend draws.
+_TEXT = TextToPath()
+
+
+def legend_beside(ax: plt.Axes, **kw) -> Legend:
+    """``ax``'s legend right of the panel, outside its data (constrained layout makes room): inside,
+    it covers curves or points wherever matplotlib puts it. ``kw`` go to ``Axes.legend``."""
+    return ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, **kw)
+
+
+def turn_labels(ax: plt.Axes, angle: float = 45.0, axis: str = "x") -> None:
+    """Turn ``axis``'s tick labels by ``angle`` degrees, each ending at its tick: centred on their
+    ticks, a long label turned beside a short one runs into it."""
+    if axis not in ("x", "y"):
+        raise ValueError(f"axis must be 'x' or 'y', not {axis!r}")
+    labels = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()
+    plt.setp(labels, rotation=angle, ha="right", rotation_mode="anchor")
+
+
+def symlog_if_dwarfed(ax: plt.Axes, values, axis: str = "y", ratio: float = 10.0) -> bool:
+    """Put ``axis`` on a symmetric log scale when the largest of ``values`` is more than ``ratio``
+    times their median size (bars of 197 and of 2 on one linear axis: every bar but one is flat);
+    linear up to the power of ten at or below the smallest nonzero size, so zeros stay at the base.
+    Returns whether it did."""
+    if axis not in ("x", "y"):
+        raise ValueError(f"axis must be 'x' or 'y', not {axis!r}")
+    size = np.abs(np.asarray(values, dtype=float))
+    size = size[np.isfinite(size) & (size > 0)]
+    if size.size < 2 or size.max() <= ratio * np.median(size):
+        return False
+    linthresh = float(10.0 ** np.floor(np.log10(size.min())))  # a decade: ticks 0, 0.1, 1, ... keep apart
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("symlog", linthresh=linthresh)
+    return True
+
+
 def log_ticks_at(ax: plt.Axes, values, axis: str = "x") -> None:
-    """Tick a log-scaled ``axis`` of ``ax`` at ``values`` only, labelled as plain numbers (``%g``).
+    """Tick a log-scaled ``axis`` of ``ax`` at ``values`` only, labelled as plain numbers (``%g``),
+    each label that would run into its neighbour left out (:class:`SpacedLabels`).
 
     Over less than a decade matplotlib labels the minor ticks of a log axis too
-    (``3x10^-1 4x10^-1 ...``), and they collide; the tested doses are the ticks a reader needs.
+    (``3x10^-1 4x10^-1 ...``), and they collide; the tested doses are the ticks a reader needs, and
+    doses a factor 1.44 apart ("1.44", "2.08", ...) need more room than a narrow panel has.
     """
     if axis not in ("x", "y"):
         raise ValueError(f"axis must be 'x' or 'y', not {axis!r}")
     values = sorted({float(v) for v in values if v > 0})
     target = ax.xaxis if axis == "x" else ax.yaxis
     target.set_major_locator(FixedLocator(values))
-    target.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    target.set_major_formatter(SpacedLabels())
     target.set_minor_locator(NullLocator())
 
 
@@ -151,21 +229,76 @@ def _texts(ax: plt.Axes) -> list[tuple[str, object]]:
     return [(k, t) for k, t in items if t.get_visible() and t.get_text()]
 
 
+#: Two tick labels of one axis closer than this (in ems of their font, about a space) run together:
+#: the dose axis "1.44", "2.08" read "1.442.08" without their boxes touching.
+TICK_GAP_EM = 0.3
+
+
+def _outline(text, renderer) -> np.ndarray:
+    """The four corners (pixels) of ``text`` as drawn: its box turned by its rotation. The window
+    extent of turned text is the upright box around those corners, and neighbouring turned tick
+    labels overlap in that box while far apart on the page."""
+    box = text.get_window_extent(renderer)
+    angle = text.get_rotation()
+    if angle % 90 == 0:
+        return np.array([(box.x0, box.y0), (box.x1, box.y0), (box.x1, box.y1), (box.x0, box.y1)])
+    text.set_rotation(0)
+    try:
+        flat = text.get_window_extent(renderer)
+    finally:
+        text.set_rotation(angle)
+    half = np.array([(-1, -1), (1, -1), (1, 1), (-1, 1)]) * (flat.width / 2, flat.height / 2)
+    c, s = np.cos(np.radians(angle)), np.sin(np.radians(angle))
+    # the upright box around a turned rectangle has the rectangle's centre
+    return half @ np.array([[c, s], [-s, c]]) + ((box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2)
+
+
+def _gap(p: np.ndarray, q: np.ndarray) -> float:
+    """How far apart the convex outlines ``p`` and ``q`` are along the edge normal that parts them
+    most (separating axes; negative where they overlap)."""
+    best = -np.inf
+    for poly in (p, q):
+        edges = np.roll(poly, -1, axis=0) - poly
+        for nx, ny in np.stack([-edges[:, 1], edges[:, 0]], axis=1):
+            norm = np.hypot(nx, ny)
+            if norm == 0:
+                continue
+            a, b = p @ (nx / norm, ny / norm), q @ (nx / norm, ny / norm)
+            best = max(best, b.min() - a.max(), a.min() - b.max())
+    return float(best)
+
+
+def _on_one_line(p: np.ndarray, q: np.ndarray, a, b) -> bool:
+    """Whether upright texts ``a`` and ``b`` (outlines ``p``, ``q``) stand side by side on one line,
+    where a gap narrower than a space reads as one word; stacked like lines of text, they read apart."""
+    upright = a.get_rotation() % 180 == 0 and b.get_rotation() % 180 == 0
+    return upright and min(p[:, 1].max(), q[:, 1].max()) > max(p[:, 1].min(), q[:, 1].min())
+
+
 def overlaps(fig: plt.Figure) -> list[str]:
-    """Text elements whose bounding boxes intersect (empty when clean): any two of *different*
-    panels, and two tick labels of the same axis of one panel (major or minor: a log axis over
-    less than a decade labels its minor ticks, which then crowd each other)."""
+    """Text elements that overlap or run together (empty when clean): any two of *different*
+    panels that overlap, and two tick labels of the same axis of one panel that overlap (major
+    or minor: a log axis over less than a decade labels its minor ticks, which then crowd each
+    other) or, side by side on one line, stand less than :data:`TICK_GAP_EM` apart (labels such
+    as doses then read as one: "1.442.08"). Turned labels are compared as drawn, not by the
+    upright boxes around them."""
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
-    boxes = [(i, kind, t.get_text(), t.get_window_extent(renderer))
+    boxes = [(i, kind, t, t.get_window_extent(renderer))
              for i, ax in enumerate(fig.axes) if ax.get_visible() for kind, t in _texts(ax)]
+    boxes = [(i, kind, t, _outline(t, renderer)) for i, kind, t, box in boxes if box.width > 0 and box.height > 0]
     found = []
     for a in range(len(boxes)):
         for b in range(a + 1, len(boxes)):
-            (i, ka, ta, ba), (j, kb, tb, bb) = boxes[a], boxes[b]
+            (i, ka, ta, pa), (j, kb, tb, pb) = boxes[a], boxes[b]
             same_axis_ticks = i == j and "tick" in ka and ka.split()[-1] == kb.split()[-1]
-            if (i != j or same_axis_ticks) and ba.overlaps(bb) and ba.width > 0 and bb.width > 0:
-                found.append(f"panel {i} {ka} {ta!r} overlaps panel {j} {kb} {tb!r}")
+            if i != j or same_axis_ticks:
+                gap = _gap(pa, pb)
+                least = TICK_GAP_EM * max(ta.get_fontsize(), tb.get_fontsize()) * fig.dpi / 72 \
+                    if same_axis_ticks and _on_one_line(pa, pb, ta, tb) else 0.0
+                if gap < least:
+                    how = "overlaps" if gap < 0 else "runs into"
+                    found.append(f"panel {i} {ka} {ta.get_text()!r} {how} panel {j} {kb} {tb.get_text()!r}")
     return found
 
 
