@@ -367,12 +367,10 @@ class Interrupt:
         print("\nstabstudy: Ctrl-C: stopping after the runs in flight are dropped (Ctrl-C again to stop now)",
               file=sys.stderr, flush=True)
         for km in list(_KERNELS):
-            pid = getattr(getattr(km, "provisioner", None), "pid", None)
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGINT)
-                except ProcessLookupError:  # that kernel has ended
-                    pass
+            # the Popen, not a bare pid: it signals no process once its kernel has been waited for
+            process = getattr(getattr(km, "provisioner", None), "process", None)
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGINT)
 
     def before_cell(self, cell: Any = None, cell_index: int | None = None, **kw: Any) -> None:
         """nbclient's ``on_cell_execute`` hook: refuse to start a cell once interrupted."""
