@@ -27,14 +27,20 @@ reproducible without global side effects; its IQM definition is the one used.
 
 The stability score and the critical dose are this study's definitions (see
 their docstrings).
+
+Clustered units (forks of one RL prefix share its training): :func:`cluster_bootstrap` resamples
+clusters, :func:`design_effect` says how many observations one cluster is worth. Rates:
+:func:`clopper_pearson`. Two samples of ranks with ties and censoring: :func:`rank_test_p`,
+:func:`smallest_p`.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from math import comb
 from typing import Any
 
 import numpy as np
@@ -48,16 +54,21 @@ from stabstudy.analysis.events import _multi, as_series, map_runs
 __all__ = [
     "CriticalDose",
     "bootstrap_band",
+    "clopper_pearson",
+    "cluster_bootstrap",
     "collapse_probability",
     "critical_dose",
     "cvar",
+    "design_effect",
     "dispersion_across_runs",
     "dispersion_across_time",
     "iqm",
     "iqm_ci",
     "long_term_risk",
+    "rank_test_p",
     "risk_across_runs",
     "short_term_risk",
+    "smallest_p",
     "stability_score",
 ]
 
@@ -346,8 +357,15 @@ def collapse_probability(collapsed: Any, confidence: float = 0.95) -> tuple[floa
     if c.size == 0:
         return (math.nan, math.nan, math.nan)
     k, n = int(c.sum()), int(c.size)
-    ci = sps.binomtest(k, n).proportion_ci(confidence_level=confidence, method="exact")
-    return (k / n, float(ci.low), float(ci.high))
+    return (k / n, *clopper_pearson(k, n, confidence))
+
+
+def clopper_pearson(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Clopper-Pearson (exact binomial) interval of the rate ``k / n``; (nan, nan) when ``n == 0``."""
+    if n == 0:
+        return math.nan, math.nan
+    ci = sps.binomtest(int(k), int(n)).proportion_ci(confidence_level=confidence, method="exact")
+    return float(ci.low), float(ci.high)
 
 
 @dataclass(frozen=True)
@@ -415,3 +433,71 @@ def critical_dose(doses: Sequence[float], collapsed: Sequence[float], level: flo
     xc = x0 + (level - p0) * (x1 - x0) / (p1 - p0) if p1 != p0 else x1
     dose = float(np.exp(xc) if log_dose else xc)
     return CriticalDose(dose, method, f"{method} fit: p(collapse) = {level:.0%} at dose {dose:.3g}", grid, prob)
+
+
+# -- clustered units ------------------------------------------------------------------
+
+
+def cluster_bootstrap(values: Sequence[float], clusters: Sequence[Any],
+                      statistic: Callable[[np.ndarray], float] = np.mean, *, reps: int = 2000,
+                      confidence: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+    """``(estimate, low, high)`` of ``statistic`` over observations, with a percentile interval from a
+    bootstrap that resamples *clusters* (each drawn cluster brings all its observations): observations
+    of one cluster (the forks of one RL prefix) share it, so resampling them one by one would treat
+    them as independent. Non-finite values are left out; NaNs without any."""
+    v, p = np.asarray(values, dtype=float), np.asarray(clusters, dtype=object)
+    ok = np.isfinite(v)
+    v, p = v[ok], p[ok]
+    if not v.size:
+        return math.nan, math.nan, math.nan
+    groups = [v[p == u] for u in dict.fromkeys(p.tolist())]
+    rng = np.random.default_rng(seed)
+    draws = [statistic(np.concatenate([groups[i] for i in rng.integers(0, len(groups), len(groups))]))
+             for _ in range(int(reps))]
+    q = (1 - confidence) / 2
+    lo, hi = np.quantile(draws, [q, 1 - q])
+    return float(statistic(v)), float(lo), float(hi)
+
+
+def design_effect(values: Sequence[float], clusters: Sequence[Any]) -> tuple[float, float]:
+    """``(icc, deff)``: the intraclass correlation of ``values`` within clusters (one-way ANOVA
+    estimator, at least 0) and the design effect ``1 + (m - 1) icc`` (``m``: mean observations per
+    cluster): how many observations are worth one independent cluster. NaNs with fewer than two
+    clusters or no cluster of two."""
+    v, p = np.asarray(values, dtype=float), np.asarray(clusters, dtype=object)
+    ok = np.isfinite(v)
+    v, p = v[ok], p[ok]
+    groups = [v[p == u] for u in dict.fromkeys(p.tolist())]
+    k, n = len(groups), v.size
+    if k < 2 or n <= k:
+        return math.nan, math.nan
+    m0 = (n - sum(g.size**2 for g in groups) / n) / (k - 1)
+    msb = sum(g.size * (g.mean() - v.mean()) ** 2 for g in groups) / (k - 1)
+    msw = sum(((g - g.mean()) ** 2).sum() for g in groups) / (n - k)
+    icc = max(0.0, (msb - msw) / (msb + (m0 - 1) * msw)) if msb + (m0 - 1) * msw > 0 else 0.0
+    return float(icc), float(1 + (n / k - 1) * icc)
+
+
+# -- a two-sample rank test for few, tied, censored values ---------------------------------
+
+#: The most arrangements of a two-sample rank test computed exactly (``scipy.stats.PermutationMethod``
+#: enumerates them all, ties included); beyond, 9,999 random ones (8 vs 8 units: 12,870, exact).
+EXACT_ARRANGEMENTS = 20_000
+
+
+def rank_test_p(a: Sequence[float], b: Sequence[float], alternative: str, *, seed: int = 0) -> float:
+    """One-sided Mann-Whitney U p-value of ``a`` against ``b`` (``alternative`` "less": ``a`` lower),
+    by the permutation distribution of U given the ties (exact up to :data:`EXACT_ARRANGEMENTS`
+    arrangements, else 9,999 random ones seeded with ``seed``): the normal approximation is not
+    trustworthy for few units and many ties (``inf`` for a right-censored value ranks above every
+    finite one, all ``inf`` tied)."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    n = np.inf if comb(a.size + b.size, a.size) <= EXACT_ARRANGEMENTS else 9999
+    method = sps.PermutationMethod(n_resamples=n, rng=np.random.default_rng(seed))
+    return float(sps.mannwhitneyu(a, b, alternative=alternative, method=method).pvalue)
+
+
+def smallest_p(n1: int, n2: int) -> float:
+    """The smallest one-sided p-value a rank test of ``n1`` against ``n2`` values can give (the two
+    samples completely separated, no ties): ``1 / C(n1 + n2, n1)``."""
+    return 1.0 / comb(int(n1) + int(n2), int(n1)) if n1 and n2 else 1.0
