@@ -1,4 +1,4 @@
-"""Wall time of notebook 04's RL analysis (:func:`stabstudy.analysis.studies.rl_warning.analyse`) for one learner.
+"""Wall time of notebook 04's RL analysis (:func:`stabstudy.analysis.studies.rl.warning.analyse`) for one learner.
 
 The forks are constructed, sized like notebook 01's quick grid: per prefix (seed) a control, five lr
 spikes and two lr ramps, ``--rows`` Monitor rows each (notebook 04's RL forks of 01's 6-prefix quick
@@ -23,7 +23,7 @@ import numpy as np
 import xarray as xr
 
 from stabstudy.analysis.studies import meta_state as M
-from stabstudy.analysis.studies import rl_warning as W
+from stabstudy.analysis.studies.rl import warning as W
 from stabstudy.analysis.warning import evaluation as E
 from stabstudy.online import MetaConfig
 from stabstudy.online import features as F
@@ -82,7 +82,7 @@ def main() -> None:
     r = W.analyse(fork, pre, prefix_of, calibration_seeds=[0], horizon=horizon, n_boot=args.n_boot,
                   config=MetaConfig(window=64, min_periods=16, corr_window=32))
     dt = time.perf_counter() - t0
-    print(f"{fork.sizes['run']} forks x {r.rows} rows: rl_warning.analyse {dt:.1f} s "
+    print(f"{fork.sizes['run']} forks x {r.rows} rows: rl.warning.analyse {dt:.1f} s "
           f"({'protocol ran' if r.study is not None else 'not run: ' + r.reason})")
     if r.study is not None:
         t0 = time.perf_counter()

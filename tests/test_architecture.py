@@ -104,4 +104,4 @@ def test_the_arrow_check_can_fail():
     assert not permitted("stabstudy.online.metastate", "stabstudy.analysis.warning.metastate")
     assert permitted("stabstudy.interventions.control", "stabstudy.online.robust")
     assert permitted("stabstudy.analysis.warning.evaluation", "stabstudy.online")
-    assert not permitted("stabstudy.interventions.control", "stabstudy.analysis.studies.rl_comparison")
+    assert not permitted("stabstudy.interventions.control", "stabstudy.analysis.studies.rl.runs")

@@ -8,7 +8,10 @@ import pandas as pd
 import pytest
 
 from stabstudy.analysis import claims as C
-from stabstudy.analysis.studies import calibration, closed_loop, lm_spikes, precision, rl_comparison
+from stabstudy.analysis.studies import calibration, closed_loop, lm_spikes, precision
+from stabstudy.analysis.studies.rl import claims as rl_claims
+from stabstudy.analysis.studies.rl import curves as rl_curves
+from stabstudy.analysis.studies.rl import runs as rl_runs
 
 MISSING = {"not tested", "inconclusive"}
 
@@ -121,24 +124,24 @@ def _dose(ppo_lower: bool, n: int = 10) -> pd.DataFrame:
 
 
 def test_rl_missing_data_gives_no_verdict():
-    assert set(verdicts(rl_comparison.claims_table(pd.DataFrame(), 1.0)).values()) <= MISSING
+    assert set(verdicts(rl_claims.claims_table(pd.DataFrame(), 1.0)).values()) <= MISSING
     comp = _rl(True, True)
     for c in ("pre_return", "final_return", "collapsed", "stability"):
         comp[c] = np.nan
     noise, dose = _noise(True), _dose(True)
     noise["stability"], dose["collapsed"] = np.nan, np.nan
-    assert set(verdicts(rl_comparison.claims_table(comp, 2000.0, dose=dose, noise=noise)).values()) <= MISSING
+    assert set(verdicts(rl_claims.claims_table(comp, 2000.0, dose=dose, noise=noise)).values()) <= MISSING
 
 
 def test_rl_claims_for_and_against():
-    v = verdicts(rl_comparison.claims_table(_rl(True, True, n=40), 2000.0, dose=_dose(True), noise=_noise(True)))
+    v = verdicts(rl_claims.claims_table(_rl(True, True, n=40), 2000.0, dose=_dose(True), noise=_noise(True)))
     assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "supported"
     assert find(v, "SAC keeps learning after action noise") == "supported"
     assert find(v, "returns before the spike are comparable: PPO vs TD3") == "supported"
     assert find(v, "high final return is decoupled") == "supported"
     assert find(v, "more of SAC's own noise") == "supported"
     assert find(v, "PPO has a lower critical lr-spike dose than TD3") == "supported"
-    v = verdicts(rl_comparison.claims_table(_rl(False, False, n=40, decoupled=False), 2000.0, comparable_tol=0.001,
+    v = verdicts(rl_claims.claims_table(_rl(False, False, n=40, decoupled=False), 2000.0, comparable_tol=0.001,
                                             dose=_dose(False), noise=_noise(False)))
     assert find(v, "SAC keeps learning after action noise") == "not supported"
     assert find(v, "returns before the spike are comparable: PPO vs SAC") in MISSING | {"not supported"}
@@ -148,7 +151,7 @@ def test_rl_claims_for_and_against():
     # a collapse rate is compared with the unperturbed rate, not with 50%: all collapse, unperturbed too
     same = _rl(True, True)
     same.loc[same.learner == "ppo", "collapsed"] = 1.0
-    v = verdicts(rl_comparison.claims_table(same, 2000.0))
+    v = verdicts(rl_claims.claims_table(same, 2000.0))
     assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "inconclusive"
 
 
@@ -159,9 +162,9 @@ def test_rl_claim_as_stated_and_as_meant_are_both_rows_whatever_they_say():
     fresh = _rl(False, False, n=40)
     stated = {"env steps 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])],
               "updates 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])]}
-    v = verdicts(rl_comparison.claims_table(meant, 2000.0, stated=stated))
+    v = verdicts(rl_claims.claims_table(meant, 2000.0, stated=stated))
     spike = "PPO collapses irreversibly after a single learning-rate spike"
-    assert find(v, f"{spike} (collapse rate above its unperturbed rate; {rl_comparison.MEANT})") == "supported"
+    assert find(v, f"{spike} (collapse rate above its unperturbed rate; {rl_claims.MEANT})") == "supported"
     for reading in stated:
         assert find(v, f"{spike} (collapse rate above its unperturbed rate; as stated: spike at {reading})") in \
             MISSING | {"not supported"}
@@ -176,10 +179,10 @@ def test_rl_final_return_not_worse_is_non_inferiority():
     t = _rl(True, True, n=40)
     ppo = (t.learner == "ppo") & (t.pert_kind == "none")
     t.loc[ppo, "final_return"] = t.loc[(t.learner == "sac") & (t.pert_kind == "none"), "final_return"].to_numpy() - 100
-    v = verdicts(rl_comparison.claims_table(t, 2000.0))  # margin 0.25 * 2000 = 500 > 100 worse
+    v = verdicts(rl_claims.claims_table(t, 2000.0))  # margin 0.25 * 2000 = 500 > 100 worse
     assert find(v, "PPO's final return is not worse than SAC's") == "supported"
     t.loc[ppo, "final_return"] -= 2000
-    v = verdicts(rl_comparison.claims_table(t, 2000.0))
+    v = verdicts(rl_claims.claims_table(t, 2000.0))
     assert find(v, "PPO's final return is not worse than SAC's") == "not supported"
 
 
@@ -187,9 +190,9 @@ def test_rl_runs_broken_before_the_event_are_left_out_of_the_rate():
     comp = _rl(True, True, n=10)
     ppo = comp.learner == "ppo"
     comp.loc[ppo & (comp.pert_kind == "lr_spike"), ["collapsed", "pre_event_invalid"]] = [np.nan, True]
-    v = verdicts(rl_comparison.claims_table(comp, 2000.0))
+    v = verdicts(rl_claims.claims_table(comp, 2000.0))
     assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "not tested"
-    g = rl_comparison.group_summary(comp).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
+    g = rl_runs.group_summary(comp).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
     assert g.n == 0 and g.pre_event_invalid == 10
 
 
@@ -214,14 +217,14 @@ def test_rl_summarize_separates_broken_runs_and_unobserved_drops():
                     coords={"run": list(runs), "env_step": (("run", "step"), envs), "learner": ("run", ["ppo"] * k),
                             "seed": ("run", list(range(k))), "pert_kind": ("run", ["lr_spike"] * k),
                             "pert_start": ("run", [2500.0] * k), "status": ("run", [s for _, s in runs.values()])})
-    t = rl_comparison.summarize(ds, scale=200.0, min_evals_after=2).set_index("spec_hash")
+    t = rl_runs.summarize(ds, scale=200.0, min_evals_after=2).set_index("spec_hash")
     assert t.collapse_state.to_dict() == {"early": "pre_event_invalid", "late": "diverged",
                                           "dip_at_end": "unobserved", "steady": "no_drop", "collapsed": "collapsed"}
     assert t.pre_event_invalid.tolist() == [True, False, False, False, False]
     np.testing.assert_array_equal(t.collapsed.to_numpy(float), [np.nan, 1.0, np.nan, 0.0, 1.0])
     assert np.isnan(t.loc["early", "stability"])
     assert t.loc["steady", "recovery_state"] == "never_left" and np.isnan(t.loc["steady", "recovery_time"])
-    g = rl_comparison.group_summary(t.reset_index()).iloc[0]
+    g = rl_runs.group_summary(t.reset_index()).iloc[0]
     assert (g.n, g.pre_event_invalid, g.p_collapse) == (3, 1, pytest.approx(2 / 3))
 
 
@@ -493,7 +496,7 @@ def test_rl_comparison_rows_keep_the_controls_and_each_kind_at_its_dose_only():
     t = pd.DataFrame({"pert_kind": ["none", "lr_spike", "lr_spike", "action_noise", "reward_scale", "none"],
                       "pert_dose": [1.0, 30.0, 100.0, 1.0, 30.0, 1.0],
                       "noise_after_fork": ["same"] * 5 + [0.3]})
-    out = rl_comparison.comparison_rows(t, {"lr_spike": 30.0, "action_noise": 1.0})
+    out = rl_runs.comparison_rows(t, {"lr_spike": 30.0, "action_noise": 1.0})
     assert out.index.tolist() == [0, 1, 3]  # not x100, not a kind left out, not another noise knob
 
 
@@ -502,7 +505,7 @@ def test_rl_first_last_returns_skip_rows_without_evaluations():
 
     perf = np.array([[np.nan, -300.0, np.nan, 2000.0], [np.nan] * 4])
     ds = xr.Dataset({"perf": (("run", "step"), perf)}, coords={"run": ["a", "b"], "step": np.arange(4)})
-    ends = rl_comparison.first_last_returns(ds)
+    ends = rl_curves.first_last_returns(ds)
     assert ends.loc["a"].tolist() == [-300.0, 2000.0]
     assert ends.loc["b"].isna().all()
 

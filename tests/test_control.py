@@ -435,7 +435,7 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     run calibrates the robust z from the scores it filed, and the outcomes pair every run with the
     unperturbed uncontrolled fork of its seed."""
     from stabstudy.analysis.studies import closed_loop as study
-    from stabstudy.analysis.studies import rl_comparison
+    from stabstudy.analysis.studies.rl import curves, design
     from stabstudy.learners.rl import forks
     from stabstudy.run.runner import run_grid
     from stabstudy.run.store import load_runs
@@ -445,7 +445,7 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
               eval_every={"ppo": 64})
     events = [["lr_spike", 300.0]]
     free = study.rl_grid("ppo", [0, 1], events, [], None, **kw)
-    assert free == rl_comparison.fork_grid(["ppo"], [("none", 1.0), ("lr_spike", 300.0)], [0, 1], {"ppo": 256},
+    assert free == design.fork_grid(["ppo"], [("none", 1.0), ("lr_spike", 300.0)], [0, 1], {"ppo": 256},
                                            task="Pendulum-v1", hparams={"ppo": hp}, lead={"ppo": 128},
                                            post={"ppo": 192}, eval_every={"ppo": 64}, env_duration=64)
     watch = study.watch_grid(free, [0], window=8)
@@ -468,7 +468,7 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     table = study.run_table(specs, prefix_of=prefix_of)
     assert set(table.domain) == {"ppo"} and set(table.event) == {"none", "lr_spike x300/64"}
     pre = load_runs(prefixes)
-    floors, scale = rl_comparison.return_reference(pre, rl_comparison.eval_curves(ds), prefix_of)
+    floors, scale = curves.return_reference(pre, curves.eval_curves(ds), prefix_of)
     first = {p.spec_hash: float(pre.perf.sel(run=p.spec_hash).dropna("step").values[0]) for p in prefixes}
     assert floors == {s.spec_hash: first[forks.prefix_key(s).spec_hash] for s in specs}
     best = max(np.nanmax(pre.perf.values), np.nanmax(ds.perf.values))

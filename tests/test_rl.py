@@ -9,7 +9,7 @@ import xarray as xr
 from docblocks import block
 from stable_baselines3.common.callbacks import CallbackList
 
-from stabstudy.analysis.studies import rl_comparison as study
+from stabstudy.analysis.studies.rl import curves, design, runs
 from stabstudy.interventions import control
 from stabstudy.interventions.perturb import Perturbation, Schedule
 from stabstudy.learners import rl as rlpkg
@@ -233,19 +233,19 @@ def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
     hp = {"ppo": TINY["ppo"], "sac": {**TINY["sac"], "target_entropy": -1.0}}  # knob explicit, as algo_hparams makes it
     kw = dict(task="Pendulum-v1", hparams=hp, lead={"ppo": 128, "sac": 40}, post={"ppo": 128, "sac": 60},
               spike_updates=20, env_duration=64, eval_every={"ppo": 64, "sac": 20})
-    specs = study.fork_grid(["ppo", "sac"], [("none", 1.0), ("lr_spike", 30.0)], [0, 1], {"ppo": 256, "sac": 200}, **kw)
+    specs = design.fork_grid(["ppo", "sac"], [("none", 1.0), ("lr_spike", 30.0)], [0, 1], {"ppo": 256, "sac": 200}, **kw)
     assert len(specs) == 8 and {forks.role(s) for s in specs} == {"fork"}
     ppo = [s for s in specs if s.learner == "ppo" and s.perturbations][0].perturbations[0]
     sac = [s for s in specs if s.learner == "sac" and s.perturbations][0].perturbations[0]
     assert (ppo.start, ppo.duration, sac.start, sac.duration) == (384, 64, 240, 20)  # one rollout; 20 updates
     with pytest.raises(ValueError, match="multiple of n_steps"):
-        study.fork_grid(["ppo"], [("none", 1.0)], [0], {"ppo": 250}, **kw)
+        design.fork_grid(["ppo"], [("none", 1.0)], [0], {"ppo": 250}, **kw)
     # the noise knob after the fork: left out where it equals the prefix's, so those forks are shared
-    noisy = study.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": -1.0}, **kw)
+    noisy = design.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": -1.0}, **kw)
     assert noisy[0] in specs
-    assert study.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": 0.5},
+    assert design.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": 0.5},
                            **kw)[0].get("noise_after_fork") == 0.5
-    stated, dropped = study.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, update=20, dose=30.0,
+    stated, dropped = design.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, update=20, dose=30.0,
                                         spike_updates=20, task="Pendulum-v1", hparams=hp)
     starts = {r: sorted(s.perturbations[0].start for s in v if s.perturbations) for r, v in stated.items()}
     # sac: learning_starts 50 + 20, and no update before 51 (env step 20 tests nothing there); ppo: SB3 counts
@@ -260,16 +260,15 @@ def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
     untrained = {p.spec_hash: float(pre.sel(run=p.spec_hash).perf.dropna("step")[0]) for p in prefixes}
     floors = {s.spec_hash: untrained[forks.prefix_key(s).spec_hash] for s in specs}
     ds = load_runs(specs, store=store)
-    curves = study.eval_curves(ds)
-    assert curves.dims == ("run", "env_step")
-    table = study.summarize(ds, floors=floors, scale=500.0)
+    assert curves.eval_curves(ds).dims == ("run", "env_step")
+    table = runs.summarize(ds, floors=floors, scale=500.0)
     assert len(table) == 8 and set(table.prefix_steps) == {256, 200} and (table.noise_after_fork == "same").all()
     # an unperturbed fork is tested at its own learner's perturbation start
     assert set(table[table.learner == "ppo"].event) == {384.0} and set(table[table.learner == "sac"].event) == {240.0}
     decided = table.collapse_state != "unobserved"
     assert table.collapsed[decided].isin([0.0, 1.0]).all() and table.collapsed[~decided].isna().all()
     assert table.stability.dropna().between(0, 1).all() and (table.recovery_steps.dropna() >= 0).all()
-    eff = study.paired_effects(table)
+    eff = runs.paired_effects(table)
     assert len(eff) == 2 and (eff.n <= 2).all() and "damage" in eff and "recovery_high" in eff
 
 
@@ -291,8 +290,8 @@ def test_summary_of_a_run_does_not_depend_on_the_other_runs():
     a = ("A", [0, 999, 1999, 2999, 3999, 4999], [0.0, 100.0, 200.0, 50.0, 60.0, 70.0])
     b = ("B", [0, 1024, 2048, 3072, 4096, 5120], [0.0, 10.0, 20.0, 30.0, 40.0, 50.0])
     cols = ["pre_return", "final_return", "collapsed", "min_level", "max_drawdown", "recovery_time", "stability"]
-    alone = study.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
-    mixed = study.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
+    alone = runs.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
+    mixed = runs.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
     assert alone.astype(float).tolist() == mixed.astype(float).tolist()
     assert alone.pre_return == 100.0 and alone.final_return == 60.0 and alone.collapsed == 0.0  # 50 is not < 0.5 * 100
 
@@ -314,14 +313,14 @@ def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scal
 
 def test_group_summary_and_dose_response():
     # the verdicts of claims_table are tested for, against and on missing data in test_claims_tables.py
-    g = study.group_summary(_table(0.5, 0.0))
+    g = runs.group_summary(_table(0.5, 0.0))
     assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
     # a run without a verdict (NaN) is in neither the fraction nor its denominator n
     t = _table(0.5, 0.0)
     t.loc[(t.learner == "ppo") & (t.pert_kind == "lr_spike") & (t.seed == 3), "collapsed"] = np.nan
-    row = study.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
+    row = runs.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
     assert row.n == 3 and row.p_collapse == pytest.approx(2 / 3)
-    per, crit = study.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"], reps=20)
+    per, crit = runs.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"], reps=20)
     assert set(crit.learner) == {"ppo", "sac", "td3"}
     assert crit.set_index("learner").loc["sac", "where"] == "above the grid"
 
@@ -334,7 +333,7 @@ def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
             for a, rule in (("ppo", lambda d, i: d >= 30 or (d == 10 and i == 0)), ("sac", lambda d, i: False),
                             ("td3", lambda d, i: True))
             for d in doses for i in range(3)]
-    crit, fits = study.critical_doses(pd.DataFrame(rows), reps=200)
+    crit, fits = runs.critical_doses(pd.DataFrame(rows), reps=200)
     c = crit.set_index("learner")
     assert c.loc["ppo", "where"] == "bracketed" and 10 <= c.loc["ppo", "dose"] <= 30
     assert c.loc["ppo", "ci_low"] <= c.loc["ppo", "dose"] <= c.loc["ppo", "ci_high"] <= 30
@@ -343,7 +342,7 @@ def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
     assert fits["ppo"].method == "logistic" and len(fits["ppo"].grid) == len(fits["ppo"].prob)
     # outcomes separating perfectly between 3 and 10: the interval is the bracket, not the fitted point
     sep = [dict(learner="ppo", pert_dose=d, seed=i, collapsed=float(d >= 10)) for d in doses for i in range(3)]
-    c = study.critical_doses(pd.DataFrame(sep), reps=50)[0].iloc[0]
+    c = runs.critical_doses(pd.DataFrame(sep), reps=50)[0].iloc[0]
     assert c["where"] == "bracketed" and (c.ci_low, c.ci_high) == (3.0, 10.0) and 3 < c.dose < 10
 
 
@@ -352,10 +351,10 @@ def test_reliability_table_groups_runs_and_measures_their_risk():
     steps = np.arange(0, 1000, 100)
     steady = np.linspace(0, 900, 10)
     saw = steady + np.where(np.arange(10) % 2, -300.0, 0.0)
-    curves = xr.DataArray(np.array([steady, steady + 10, saw, saw + 10]), dims=("run", "env_step"),
-                          coords={"env_step": steps, "learner": ("run", ["sac", "sac", "ppo", "ppo"]),
-                                  "pert_kind": ("run", ["none"] * 4)})
-    t = study.reliability_table(curves).set_index("learner")
+    c = xr.DataArray(np.array([steady, steady + 10, saw, saw + 10]), dims=("run", "env_step"),
+                     coords={"env_step": steps, "learner": ("run", ["sac", "sac", "ppo", "ppo"]),
+                             "pert_kind": ("run", ["none"] * 4)})
+    t = curves.reliability_table(c).set_index("learner")
     assert (t.n == 2).all()
     assert t.loc["ppo", "dispersion_time"] > t.loc["sac", "dispersion_time"] == 0.0
     assert t.loc["ppo", "short_term_risk"] < t.loc["sac", "short_term_risk"]
@@ -373,7 +372,7 @@ def test_paired_effects_compare_each_fork_with_its_own_seeds_control():
         rows.append(dict(learner="sac", seed=i, prefix_steps=100, noise_after_fork="same", pert_kind="lr_spike",
                          pert_dose=30.0, collapsed=float(i == 0), final_return=base - 200 - i,
                          post_return=base - 400, recovery_steps=1000.0 + i))
-    eff = study.paired_effects(pd.DataFrame(rows)).iloc[0]
+    eff = runs.paired_effects(pd.DataFrame(rows)).iloc[0]
     assert eff.n == 4 and eff.p_collapse == 0.25 and eff.damage == pytest.approx(-201.5)
     assert eff.damage_high < 0 and eff.damage_p < 0.05 and eff.post_damage == pytest.approx(-400)
     assert eff.recovery == pytest.approx(1001.5) and eff.damage_pairs == 4

@@ -165,7 +165,7 @@ def test_stored_runs_of_the_old_dose_rules_are_stale_only_where_the_rules_act():
     ("sac", {"updates": 30, "critic_updates": 30, "actor_updates": 30, "ent_coef_updates": 0}),
 ])
 def test_the_spiked_updates_of_each_optimizer_are_counted_whatever_the_monitors_cadence(algo, expected):
-    from stabstudy.analysis.studies.rl_outcomes import spiked_updates
+    from stabstudy.analysis.studies.rl.checks import spiked_updates
 
     ds = rl.run(RunSpec("rl", algo, "Pendulum-v1", 160, 0, hparams={**TINY, "monitor_every": 5},
                         perturbations=(Perturbation("lr_spike", 100, 30, 10.0),)))

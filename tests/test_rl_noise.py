@@ -5,8 +5,9 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from stabstudy.analysis.studies import rl_noise as N
-from stabstudy.analysis.studies import rl_outcomes as O
+from stabstudy.analysis.studies.rl import checks
+from stabstudy.analysis.studies.rl import claims as rl_claims
+from stabstudy.analysis.studies.rl import outcomes as O
 
 GRID = (3.0, 10.0, 30.0, 100.0)
 
@@ -23,11 +24,11 @@ def _dose_rows(learner, name, collapses_from):
 
 def test_a_knob_that_did_not_change_the_policys_noise_is_caught():
     control = _run([100, 200, 300], ent_coef=[0.1, 0.1, 0.1])
-    assert N.knob_changed(_run([100, 200, 300], ent_coef=[0.3, 0.3, 0.3]), control, "sac", 300, lookback=250)[0] is True
-    same, reason = N.knob_changed(_run([100, 200, 300], ent_coef=[0.1, 0.1, 0.101]), control, "sac", 300, lookback=250)
+    assert checks.knob_changed(_run([100, 200, 300], ent_coef=[0.3, 0.3, 0.3]), control, "sac", 300, lookback=250)[0] is True
+    same, reason = checks.knob_changed(_run([100, 200, 300], ent_coef=[0.1, 0.1, 0.101]), control, "sac", 300, lookback=250)
     assert same is False and "did not change ent_coef" in reason
-    assert N.knob_changed(control, control, "td3", 300, lookback=250)[0] is None
-    missing, reason = N.knob_changed(_run([100], loss=[1.0]), control, "sac", 300, lookback=250)
+    assert checks.knob_changed(control, control, "td3", 300, lookback=250)[0] is None
+    missing, reason = checks.knob_changed(_run([100], loss=[1.0]), control, "sac", 300, lookback=250)
     assert missing is False and "no ent_coef" in reason
 
 
@@ -38,7 +39,7 @@ def _knob(prefix_from):
 
 
 def test_the_paired_change_of_each_prefixs_critical_dose_counts_only_resolved_moves():
-    ch = N.knob_dose_changes(_knob([10, 10, 30, np.inf, 10]), _knob([100, np.inf, 30, np.inf, 3]))
+    ch = O.knob_dose_changes(_knob([10, 10, 30, np.inf, 10]), _knob([100, np.inf, 30, np.inf, 3]))
     assert list(ch.direction) == [1.0, 1.0, 0.0, 0.0, -1.0]  # up, up, same bracket, both above, down
     assert ch.log10_change.iloc[0] == pytest.approx(np.log10(np.sqrt(3000) / np.sqrt(30)))
     assert np.isnan(ch.log10_change.iloc[3])
@@ -50,7 +51,7 @@ def test_the_paired_change_of_each_prefixs_critical_dose_counts_only_resolved_mo
     ([10] * 6, [10, 10, 30, 10, 3, 30], "inconclusive"),
 ])
 def test_claim_c_on_the_critical_dose(default, raised, verdict):
-    claim = N.noise_buffer_claim(N.knob_dose_changes(_knob(default), _knob(raised)), "ppo", "ent_coef")
+    claim = rl_claims.noise_buffer_claim(O.knob_dose_changes(_knob(default), _knob(raised)), "ppo", "ent_coef")
     assert claim.verdict == verdict and claim.n == 6 and "power" in claim.reason
 
 
@@ -58,33 +59,33 @@ def test_claim_c_on_the_collapse_at_one_dose():
     def rows(collapsed):
         return pd.DataFrame([{"learner": "sac", "pert_kind": "lr_spike", "pert_dose": 30.0, "prefix": f"s{i}",
                               "collapsed_prefix": c} for i, c in enumerate(collapsed)])
-    ch = N.knob_collapse_changes(rows([1, 1, 1, 1, 1, 1, 0]), rows([0, 0, 0, 0, 0, 0, 0]), 30.0)
+    ch = O.knob_collapse_changes(rows([1, 1, 1, 1, 1, 1, 0]), rows([0, 0, 0, 0, 0, 0, 0]), 30.0)
     assert list(ch.direction) == [1, 1, 1, 1, 1, 1, 0]
-    claim = N.noise_buffer_claim(ch, "sac", "target_entropy", outcome="collapse", dose=30.0)
+    claim = rl_claims.noise_buffer_claim(ch, "sac", "target_entropy", outcome="collapse", dose=30.0)
     assert claim.verdict == "supported" and "collapse at x30" in claim.claim and "6 prefixes up" in claim.reason
     # collapsing at every knob level (the old x30 design): nothing can move, nothing is decided
-    flat = N.noise_buffer_claim(N.knob_collapse_changes(rows([1] * 7), rows([1] * 7), 30.0), "sac", "target_entropy",
+    flat = rl_claims.noise_buffer_claim(O.knob_collapse_changes(rows([1] * 7), rows([1] * 7), 30.0), "sac", "target_entropy",
                                 outcome="collapse", dose=30.0)
     assert flat.verdict == "inconclusive" and "no prefix resolved a change" in flat.reason
-    few = N.noise_buffer_claim(N.knob_collapse_changes(rows([1, 1, 1]), rows([0, 0, 0]), 30.0), "sac", "t",
+    few = rl_claims.noise_buffer_claim(O.knob_collapse_changes(rows([1, 1, 1]), rows([0, 0, 0]), 30.0), "sac", "t",
                                outcome="collapse", dose=30.0)
     assert few.verdict == "inconclusive" and "smallest attainable p is 0.125" in few.reason
-    assert N.noise_buffer_claim(ch.iloc[:0], "sac", "t", outcome="collapse", dose=30.0).verdict == "not tested"
+    assert rl_claims.noise_buffer_claim(ch.iloc[:0], "sac", "t", outcome="collapse", dose=30.0).verdict == "not tested"
     with pytest.raises(ValueError, match="critical dose, collapse"):
-        N.noise_buffer_claim(ch, "sac", "t", outcome="return")
+        rl_claims.noise_buffer_claim(ch, "sac", "t", outcome="return")
 
 
 def test_claim_c_is_not_tested_when_the_knob_changed_nothing():
-    ch = N.knob_dose_changes(_knob([10] * 6), _knob([100] * 6))
+    ch = O.knob_dose_changes(_knob([10] * 6), _knob([100] * 6))
     none_changed = pd.DataFrame({"learner": "ppo", "prefix": [f"p{i}" for i in range(6)], "changed": False,
                                  "reason": "the knob did not change policy_std before the spike (0.5 vs 0.5)"})
-    claim = N.noise_buffer_claim(ch, "ppo", "ent_coef", checks=none_changed)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=none_changed)
     assert claim.verdict == "not tested" and "manipulation check failed" in claim.reason and "policy_std" in claim.reason
     some = none_changed.assign(changed=[True] * 5 + [False])
-    claim = N.noise_buffer_claim(ch, "ppo", "ent_coef", checks=some)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=some)
     assert claim.verdict == "supported" and claim.n == 5 and "1 prefix(es) left out" in claim.reason
     unmeasurable = none_changed.assign(changed=None, reason="TD3's knob acts on behaviour")
-    claim = N.noise_buffer_claim(ch, "ppo", "ent_coef", checks=unmeasurable)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=unmeasurable)
     assert claim.verdict == "supported" and "not measurable" in claim.reason
 
 
@@ -97,6 +98,6 @@ def test_the_knob_check_table_pairs_each_knob_fork_with_its_prefixs_default_fork
     rows = pd.DataFrame({"spec_hash": ["d0", "s0", "k0", "k1"], "learner": "ppo",
                          "pert_kind": ["none", "lr_spike", "none", "none"], "pert_start": [np.nan, 350, np.nan, np.nan],
                          "noise_after_fork": ["same", "same", 0.05, 0.01]})
-    t = N.knob_check_table(ds, rows, lookback={"ppo": 300}, prefix_of={h: "P" for h in rows.spec_hash})
+    t = checks.knob_check_table(ds, rows, lookback={"ppo": 300}, prefix_of={h: "P" for h in rows.spec_hash})
     assert list(t.noise) == [0.05, 0.01] and list(t.changed) == [True, False]
     assert "did not change policy_std" in t.reason.iloc[1]

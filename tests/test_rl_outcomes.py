@@ -6,7 +6,10 @@ import pytest
 import xarray as xr
 
 from stabstudy.analysis import claims as C
-from stabstudy.analysis.studies import rl_outcomes as O
+from stabstudy.analysis import stats
+from stabstudy.analysis.studies.rl import checks, design
+from stabstudy.analysis.studies.rl import claims as rl_claims
+from stabstudy.analysis.studies.rl import outcomes as O
 
 STEPS = np.arange(0, 21) * 1000.0  # evaluations every 1,000 env steps
 
@@ -21,9 +24,9 @@ EVENT, H = 5000.0, 10_000.0  # window [5000, 15000]
 
 def test_learning_horizon_is_where_the_prefix_reached_80_percent_of_its_gain():
     rising = curve(np.minimum(STEPS / 5, 1000.0))  # 0 -> 1000 by env step 5000, then flat
-    assert O.learning_horizon(rising) == 4000.0
-    assert np.isnan(O.learning_horizon(curve(np.full(STEPS.size, 5.0))))  # learned nothing: no horizon
-    per, H_by = O.horizons(xr.concat([rising, rising.assign_coords(env_step=STEPS * 2)], "run", join="outer").assign_coords(
+    assert design.learning_horizon(rising) == 4000.0
+    assert np.isnan(design.learning_horizon(curve(np.full(STEPS.size, 5.0))))  # learned nothing: no horizon
+    per, H_by = design.horizons(xr.concat([rising, rising.assign_coords(env_step=STEPS * 2)], "run", join="outer").assign_coords(
         learner=("run", ["ppo", "ppo"]), spec_hash=("run", ["a", "b"])))
     assert list(per.horizon) == [4000.0, 8000.0] and H_by == {"ppo": 6000.0}
 
@@ -101,10 +104,10 @@ def test_forks_of_one_prefix_do_not_count_as_independent():
     k = {a: (int(g.collapsed_prefix.sum()), len(g)) for a, g in rows.groupby("learner")}
     over_prefixes = C.rate_comparison("over prefixes", "our own", *k["ppo"], *k["sac"], direction="greater")
     assert over_prefixes.n == 6 and over_prefixes.verdict == "inconclusive"  # 2/3 vs 0/3 prefixes
-    icc, deff = O.design_effect(ppo.damage, ppo.prefix)
+    icc, deff = stats.design_effect(ppo.damage, ppo.prefix)
     assert icc > 0.99 and deff == pytest.approx(1 + 5 * icc)
-    est, lo, hi = O.prefix_bootstrap(ppo.damage, ppo.prefix, reps=500)
-    naive = O.prefix_bootstrap(ppo.damage, np.arange(len(ppo)), reps=500)  # every fork its own unit
+    est, lo, hi = stats.cluster_bootstrap(ppo.damage, ppo.prefix, reps=500)
+    naive = stats.cluster_bootstrap(ppo.damage, np.arange(len(ppo)), reps=500)  # every fork its own unit
     assert est == pytest.approx(-667.67, abs=0.01) and (hi - lo) > 1.5 * (naive[2] - naive[1])
 
 
@@ -176,7 +179,7 @@ def _arms(ppo_from, sac_from, td3_from):
     (([np.inf, 100, np.inf, 100, 100, 30], [3, 10, 3, 10, 10, 3], [3, 10, 10, 3, 3, 10]), "not supported"),
 ])
 def test_the_critical_dose_claim_is_decided_over_prefixes(arms, joint):
-    rows = O.critical_dose_claims(_arms(*arms), sims=100)
+    rows = rl_claims.critical_dose_claims(_arms(*arms), sims=100)
     assert rows[-1].verdict == joint and len(rows) == 3
     assert all("power" in r.reason for r in rows[:2]) and all(r.n == 12 for r in rows[:2])
     if joint == "supported":
@@ -185,20 +188,20 @@ def test_the_critical_dose_claim_is_decided_over_prefixes(arms, joint):
 
 def test_the_critical_dose_claim_without_enough_prefixes_says_why():
     crit = _arms([3, 10, 10], [100, np.inf, np.inf], [np.inf, 100, 100])
-    rows = O.critical_dose_claims(crit, sims=50)
+    rows = rl_claims.critical_dose_claims(crit, sims=50)
     # 3 vs 3 completely separated: p = 1/20 = 0.05, never below 0.025 (alpha split over two comparisons)
     assert rows[0].verdict == "inconclusive" and "smallest attainable p is 0.05" in rows[0].reason
     assert "power 0.00" in rows[0].reason
-    assert O.critical_dose_claims(crit[crit.learner != "sac"], sims=10)[0].verdict == "not tested"
-    assert O.critical_dose_claims(_arms([3, 10], [100, 100], [100, 100]), sims=10)[0].verdict == "inconclusive"
-    spiked = O.critical_dose_claims(_arms([3] * 6, [np.inf] * 6, [np.inf] * 6), spiked={"ppo": 40, "sac": 0, "td3": 40},
+    assert rl_claims.critical_dose_claims(crit[crit.learner != "sac"], sims=10)[0].verdict == "not tested"
+    assert rl_claims.critical_dose_claims(_arms([3, 10], [100, 100], [100, 100]), sims=10)[0].verdict == "inconclusive"
+    spiked = rl_claims.critical_dose_claims(_arms([3] * 6, [np.inf] * 6, [np.inf] * 6), spiked={"ppo": 40, "sac": 0, "td3": 40},
                                     sims=10)
     assert spiked[0].verdict == "not tested" and "no update of SAC" in spiked[0].reason
     assert spiked[1].verdict == "supported"
     with pytest.raises(ValueError, match="dose, lr, change_at_dose"):
-        O.critical_dose_claims(crit, value="kl")
+        rl_claims.critical_dose_claims(crit, value="kl")
     with pytest.raises(ValueError, match="base_lrs"):
-        O.critical_dose_claims(crit, value="lr")
+        rl_claims.critical_dose_claims(crit, value="lr")
 
 
 def test_forks_of_one_prefix_give_one_critical_dose():
@@ -207,18 +210,18 @@ def test_forks_of_one_prefix_give_one_critical_dose():
                           _dose_rows("ppo", "p0", 10.0, forks=2) + _dose_rows("sac", "s0", np.inf, forks=2)])
     crit = O.prefix_critical_doses(O.by_prefix(forks))
     assert crit.groupby("learner").size().to_dict() == {"ppo": 1, "sac": 1}
-    rows = O.critical_dose_claims(crit, off_policy=("sac",), sims=10)
+    rows = rl_claims.critical_dose_claims(crit, off_policy=("sac",), sims=10)
     assert rows[0].n == 2 and rows[0].verdict == "inconclusive"  # 1 vs 1 prefix, not 8 vs 8 forks
 
 
 def test_the_rank_test_ranks_above_the_grid_last_and_is_exact_for_few_prefixes():
-    assert O.rank_test_p([3.0, 5.5, 17.3], [np.inf, np.inf, 54.8], "less") == pytest.approx(1 / 20)
-    assert O.rank_test_p([np.inf] * 3, [np.inf] * 3, "less") == 1.0
+    assert stats.rank_test_p([3.0, 5.5, 17.3], [np.inf, np.inf, 54.8], "less") == pytest.approx(1 / 20)
+    assert stats.rank_test_p([np.inf] * 3, [np.inf] * 3, "less") == 1.0
     low, high = [3.0, 5.5, 17.3, 17.3], [54.8, np.inf, np.inf, 54.8]
-    assert O.critical_dose_claim("lower", "our own", low, high).verdict == "supported"
-    assert O.critical_dose_claim("lower", "our own", high, low).verdict == "not supported"
-    assert O.critical_dose_claim("lower", "our own", low[:2], high).verdict == "inconclusive"
-    assert O.critical_dose_claim("lower", "our own", [], high).verdict == "not tested"
+    assert rl_claims.critical_dose_claim("lower", "our own", low, high).verdict == "supported"
+    assert rl_claims.critical_dose_claim("lower", "our own", high, low).verdict == "not supported"
+    assert rl_claims.critical_dose_claim("lower", "our own", low[:2], high).verdict == "inconclusive"
+    assert rl_claims.critical_dose_claim("lower", "our own", [], high).verdict == "not tested"
 
 
 def _run(env_steps, **channels):
@@ -230,9 +233,9 @@ def test_a_spike_that_no_update_fell_into_is_not_tested_and_one_that_did_stays()
     claim = C.rate_comparison("collapses", "source paper", 3, 3, 0, 3)
     # learning_starts 10k: the spike window [2000, 2256) holds no update, so no applied lr changed
     before_learning = _run([2000, 2000, 10_001, 10_002], lr=[np.nan, np.nan, 1e-3, 1e-3])
-    n = O.spiked_updates(before_learning, 2000, 256)
+    n = checks.spiked_updates(before_learning, 2000, 256)
     assert n["updates"] == 0
-    out = O.checked(claim, n["updates"] > 0, "no gradient update in the spike window")
+    out = checks.checked(claim, n["updates"] > 0, "no gradient update in the spike window")
     assert out.verdict == "not tested" and "manipulation check failed" in out.reason
     # TD3: the critic every row, the delayed actor every other one; the Monitor measured update_norm
     # only every 5th update (monitor_every), the applied lr on every update
@@ -243,28 +246,28 @@ def test_a_spike_that_no_update_fell_into_is_not_tested_and_one_that_did_stays()
                    lr_actor=[lr, np.nan, spiked, np.nan, spiked, np.nan, lr],
                    update_norm=[1, np.nan, np.nan, np.nan, np.nan, 1, 1],
                    update_norm_actor=[1, np.nan, np.nan, np.nan, 1, np.nan, 1])
-    n = O.spiked_updates(trained, 2000, 256)
+    n = checks.spiked_updates(trained, 2000, 256)
     assert n == {"updates": 5, "critic_updates": 5, "actor_updates": 2}
-    assert O.checked(claim, n["updates"] > 0, "") is claim
+    assert checks.checked(claim, n["updates"] > 0, "") is claim
     # SAC with its entropy coefficient left out of the spike: its updates were not reached
     sac = _run(env[:3], lr=[lr, spiked, spiked], lr_ent_coef=[lr, lr, lr])
-    assert O.spiked_updates(sac, 2000, 256) == {"updates": 2, "ent_coef_updates": 0}
-    assert O.spiked_updates(_run(env[:3], loss=[1, 1, 1]), 2000, 256) == {"updates": 2}  # no Monitor: rows
+    assert checks.spiked_updates(sac, 2000, 256) == {"updates": 2, "ent_coef_updates": 0}
+    assert checks.spiked_updates(_run(env[:3], loss=[1, 1, 1]), 2000, 256) == {"updates": 2}  # no Monitor: rows
 
 
 def test_the_policy_change_of_a_spike_window_is_measured_per_update_and_over_the_window():
     env = [1900, 2000, 2001, 2002, 2003, 2300]
     run = _run(env, lr_actor=[1, np.nan, 1, np.nan, 1, 1], update_norm_actor=[9, np.nan, 2.0, np.nan, 4.0, 9],
                update_ratio_actor=[9, np.nan, 0.1, np.nan, 0.3, 9], update_norm=[9, 1, 1, 1, 1, 9])
-    ch = O.spike_policy_change(run, 2000, 256)
+    ch = checks.spike_policy_change(run, 2000, 256)
     assert ch["policy_updates"] == 2 and ch["update_norm"] == 3.0 and ch["update_path"] == 6.0
     assert ch["relative_path"] == pytest.approx(0.4) and np.isnan(ch["kl"])  # the actor's, not the critic's
-    ppo = O.spike_policy_change(_run(env, lr=[1] * 6, update_norm=[1] * 6, approx_kl=[0, np.nan, 0.02, np.nan, 0.04, 0]),
+    ppo = checks.spike_policy_change(_run(env, lr=[1] * 6, update_norm=[1] * 6, approx_kl=[0, np.nan, 0.02, np.nan, 0.04, 0]),
                                 2000, 256)
     assert ppo["policy_updates"] == 4 and ppo["kl"] == pytest.approx(0.03) and np.isnan(ppo["relative_path"])
     # PPO inside a Dataset of every learner's runs: its actor variables exist and are NaN
     merged = _run(env, lr=[1] * 6, update_norm=[2] * 6, lr_actor=[np.nan] * 6, update_norm_actor=[np.nan] * 6)
-    assert O.spike_policy_change(merged, 2000, 256)["update_path"] == 8.0
+    assert checks.spike_policy_change(merged, 2000, 256)["update_path"] == 8.0
 
 
 def _prefix_rows(rates):
@@ -279,14 +282,14 @@ def _prefix_rows(rates):
     ({"ppo": (0, 0), "sac": (0, 0), "td3": (0, 0)}, "not tested"),
 ])
 def test_the_headline_claim_is_decided_over_prefixes_with_its_power(rates, joint):
-    rows = O.collapse_at_dose_claims(_prefix_rows(rates), 10.0)
+    rows = rl_claims.collapse_at_dose_claims(_prefix_rows(rates), 10.0)
     assert rows[-1].verdict == joint and len(rows) == 3
     if rates["ppo"][1]:
         assert all("power" in r.reason for r in rows[:2])
 
 
 def test_a_learner_the_spike_reached_no_update_of_is_not_tested():
-    rows = O.collapse_at_dose_claims(_prefix_rows({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}), 10.0,
+    rows = rl_claims.collapse_at_dose_claims(_prefix_rows({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}), 10.0,
                                      spiked={"ppo": 20, "sac": 0, "td3": 40})
     assert rows[0].verdict == "not tested" and "no update of SAC" in rows[0].reason
     assert rows[1].verdict == "supported" and rows[2].verdict == "inconclusive"

@@ -11,7 +11,7 @@ import xarray as xr
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import meta_state as M
-from stabstudy.analysis.studies import rl_warning as W
+from stabstudy.analysis.studies.rl import warning as W
 from stabstudy.online import MetaConfig
 
 P_ENV, UPDATES, EVERY = 5000, 800, 2  # prefix env steps; fork updates (one per env step); Monitor cadence
@@ -250,7 +250,7 @@ def test_a_tiny_real_pendulum_fork_grid_runs_through_the_rl_analysis(tmp_path, m
     """Real SAC forks (two prefixes, a control, an lr spike and an lr ramp each) through the whole path:
     manifest, loading, paired labels, rows, the protocol and the claims."""
     monkeypatch.setenv("STABSTUDY_DATA", str(tmp_path / "data"))
-    from stabstudy.analysis.studies import rl_comparison as R
+    from stabstudy.analysis.studies.rl import design as R
     from stabstudy.learners.rl import forks
     from stabstudy.run.grids import load_grid, save_grid
     from stabstudy.run.runner import run_grid

@@ -30,7 +30,7 @@ An RL domain (``ppo``) continues notebook 01's independently trained prefixes: i
 forks are those notebook 01 recorded in its grid manifest (:func:`forks_of`; without one, built from
 the parameters as notebook 01 builds them, :func:`rl_grid`), and a controlled fork is the same fork
 with a controller (:func:`with_controllers`). Its outcomes pair every run with the unperturbed
-uncontrolled fork of its prefix at the same env steps (:func:`.rl_outcomes.paired_outcome`):
+uncontrolled fork of its prefix at the same env steps (:func:`.rl.outcomes.paired_outcome`):
 ``collapse`` its collapse rule over the window after the event (or diverged), ``damage`` the return
 lost against that fork as a fraction of the return ``scale`` (so that it reads as the losses' nats,
 "larger is worse"), ``recovery`` in env steps; steps are updates. The unit of its claims is the
@@ -52,8 +52,11 @@ from scipy import stats as sps
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis import power as PW
+from stabstudy.analysis import stats
 from stabstudy.analysis.plan import Planned
-from stabstudy.analysis.studies import lm_spikes, rl_comparison
+from stabstudy.analysis.studies import lm_spikes
+from stabstudy.analysis.studies.rl import curves, design, runs
+from stabstudy.analysis.studies.rl import outcomes as rl_paired
 from stabstudy.analysis.warning.evaluation import before_clip
 from stabstudy.hparams import field_docs
 from stabstudy.online import RobustZ, WindowZ, ZClipZ
@@ -206,12 +209,12 @@ def rl_grid(learner: str, seeds: Sequence[int], events: Sequence[Sequence[Any]],
             controller_hp: dict[str, Any] | None = None, per_controller: dict[str, dict[str, Any]] | None = None,
             **fork_kw: Any) -> list[RunSpec]:
     """Without notebook 01's manifest: forks of ``learner``'s prefixes built from the parameters as
-    notebook 01 builds them (:func:`.rl_comparison.fork_grid` with ``hp`` and ``fork_kw``): per seed
+    notebook 01 builds them (:func:`.rl.design.fork_grid` with ``hp`` and ``fork_kw``): per seed
     the unperturbed fork and one per ``[kind, dose]`` event, uncontrolled, then their twins per
     controller (:func:`with_controllers`)."""
     treatments = [("none", 1.0), *((str(k), float(d)) for k, d, *_ in events)]
     kw = {"env_duration": 0, **fork_kw}  # an lr spike sets the horizon (notebook 01: one rollout)
-    free = rl_comparison.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
+    free = design.fork_grid([learner], treatments, seeds, {learner: prefix_steps}, hparams={learner: hp}, **kw)
     return free + with_controllers(free, controllers, thresholds, controller_hp=controller_hp,
                                    per_controller=per_controller)
 
@@ -375,7 +378,7 @@ def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: di
                 min_after: int = 2) -> pd.DataFrame:
     """:func:`outcomes` for an RL domain: every run of ``table`` against the unperturbed uncontrolled
     fork of its prefix (the reference), both read at the same env steps
-    (:func:`.rl_outcomes.paired_outcome` with ``floors``, ``frac``, ``recover_frac``, ``final_points``,
+    (:func:`.rl.outcomes.paired_outcome` with ``floors``, ``frac``, ``recover_frac``, ``final_points``,
     ``min_after``) from the event (an unperturbed run: from the fork) over ``horizon`` env steps or
     to the end of the pair's evaluations, whichever is shorter (``window``); a run that diverged is
     at its floor after it stopped. ``collapse``: diverged, or collapsed in that window (NaN: no
@@ -383,9 +386,7 @@ def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: di
     ``final_points`` common evaluations, as a fraction of ``scale`` (larger is worse, as the
     losses' nats); ``final``: the mean of the last evaluation returns (NaN when diverged), for the
     intrusiveness test; ``recovery`` in env steps; steps are updates (rows)."""
-    from stabstudy.analysis.studies import rl_outcomes as ro
-
-    summ = rl_comparison.summarize(ds, scale=scale, floors=floors, final_points=final_points).set_index("spec_hash")
+    summ = runs.summarize(ds, scale=scale, floors=floors, final_points=final_points).set_index("spec_hash")
     index = {str(h): i for i, h in enumerate(ds.run.values)}
     ref = table[(table.controller == "none") & (table.event == "none")]
     ref_of = {(r.domain, r.prefix or r.seed): i for i, r in ref.iterrows()}
@@ -399,13 +400,13 @@ def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: di
         iv = np.nan_to_num(ds.intervened.sel(run=run).values)[upd]
         pert = np.nan_to_num(ds.perturbed.sel(run=run).values)[upd]
         diverged = m.status == "diverged"
-        curve = rl_comparison.eval_curves(ds.isel(run=index[run])).isel(run=0)
-        rcurve = rl_comparison.eval_curves(ds.isel(run=index[h0])).isel(run=0)
+        curve = curves.eval_curves(ds.isel(run=index[run])).isel(run=0)
+        rcurve = curves.eval_curves(ds.isel(run=index[h0])).isel(run=0)
         event = float(r.onset if r.onset >= 0 else r.fork_at)
-        ends = [ro._pairs(c)[0] for c in ((rcurve,) if diverged else (rcurve, curve))]  # evaluated env steps
+        ends = [curves.finite_pairs(c)[0] for c in ((rcurve,) if diverged else (rcurve, curve))]  # evaluated env steps
         window = min(float(horizon), min(float(e[-1]) if e.size else -math.inf for e in ends) - event)
-        stop = rl_comparison._stop_env_step(ds, index[run]) if diverged else None
-        po = ro.paired_outcome(curve, rcurve, event, window, floor=float(floors.get(run, np.nan)), diverged_at=stop,
+        stop = curves.stop_env_step(ds, index[run]) if diverged else None
+        po = rl_paired.paired_outcome(curve, rcurve, event, window, floor=float(floors.get(run, np.nan)), diverged_at=stop,
                                frac=frac, recover_frac=recover_frac, final_points=final_points, min_after=min_after)
         if run == h0:  # the reference itself: nothing to compare (its level against itself is 1 only above its floor)
             po = {**po, "state": "reference", "collapsed": 0.0, "damage": 0.0, "reason": ""}
@@ -496,7 +497,7 @@ def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
     ``collapse_*`` 1 when any of them collapsed (NaN when none did and one has no verdict),
     ``damage_*`` the mean over the runs where both twins have one. Columns: domain,
     unit, forks, collapse_with / _without, damage_with / _without, damage_diff (of the unit) and
-    ``fork_diffs`` (the forks' paired damage differences, for :func:`.rl_outcomes.design_effect`)."""
+    ``fork_diffs`` (the forks' paired damage differences, for :func:`stabstudy.analysis.stats.design_effect`)."""
     key = ["domain", "event", "seed"]
     t = treated.set_index(key)
     c = control.set_index(key).reindex(t.index)
@@ -519,16 +520,14 @@ def unit_pairs(treated: pd.DataFrame, control: pd.DataFrame) -> pd.DataFrame:
 def _with_units(claim: C.Claim, units: pd.DataFrame) -> C.Claim:
     """The claim's reason with its units where some unit summarises several runs (a seed's runs at
     every event, an RL prefix's forks): how many, and their design effect
-    (:func:`.rl_outcomes.design_effect` of the runs' paired damage differences within units: how
+    (:func:`stabstudy.analysis.stats.design_effect` of the runs' paired damage differences within units: how
     many of them are worth one independent unit)."""
-    from stabstudy.analysis.studies import rl_outcomes as ro
-
     forks = int(units.forks.sum())
     if forks == len(units):  # every unit is one run: nothing summarised
         return claim
     diffs = [(d, u) for u, ds in zip(units.unit, units.fork_diffs, strict=True) for d in ds if np.isfinite(d)]
-    icc, deff = ro.design_effect([d for d, _ in diffs], [u for _, u in diffs])
-    return ro.replace_reason(claim, f"{claim.reason}; n = {claim.n} units of {forks} runs (a unit is a seed, or an RL "
+    icc, deff = stats.design_effect([d for d, _ in diffs], [u for _, u in diffs])
+    return replace(claim, reason=f"{claim.reason}; n = {claim.n} units of {forks} runs (a unit is a seed, or an RL "
                                     f"prefix: its runs at every event summarised); design effect {deff:.2f} (ICC {icc:.2f})")
 
 

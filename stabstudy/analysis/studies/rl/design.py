@@ -1,26 +1,27 @@
-"""Notebook 01's grids: which forks run, how long, and the rule that runs a short fork on to H.
+"""Notebook 01's design: which forks run, how long, at which doses, and the horizon H.
 
 Every arm (a learner, or a variant such as ``ppo-tuned``: :func:`stabstudy.registry.arm_learner`)
 trains one prefix per seed; forks of it are read against the paired control (the unperturbed fork of
-the same prefix) over a horizon H that the prefixes' own learning curves set
-(:func:`stabstudy.analysis.studies.rl_outcomes.horizons`). The control and the forks at the claim's
-dose run to their event + H (:class:`ForkDesign`); every other fork runs a short window first and is
-run on to H (:func:`to_horizon`) only when its return dropped below the control's there
-(:func:`dropped_forks`): the long run repeats the short one bit for bit (same checkpoint, seed and
-spec up to its length), so only the forks that need H pay for it. :func:`horizon_outcomes` then
-judges each fork over what it ran. The claim as stated (:func:`stated_grid`) is a spike early in a
-fresh run.
+the same prefix) over a horizon H that the prefixes' own learning curves set (:func:`horizons`). The
+control and the forks at the claim's dose run to their event + H (:class:`ForkDesign`); every other
+fork runs a short window first and is run on to H (:func:`to_horizon`) only when its return dropped
+below the control's there: the long run repeats the short one bit for bit (same checkpoint, seed and
+spec up to its length), so only the forks that need H pay for it. Which forks run in which round is
+:class:`stabstudy.analysis.studies.rl.plan.ForkPlan`. The claim as stated (:func:`stated_grid`) is a
+spike early in a fresh run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import xarray as xr
 
+from stabstudy.analysis.studies.rl.curves import finite_pairs
 from stabstudy.hparams import defaults
 from stabstudy.registry import NOISE_KNOB, ON_POLICY, arm_learner, hparams_class
 from stabstudy.spec import Perturbation, RunSpec, freeze_map
@@ -78,7 +79,7 @@ def env_step_of_update(learner: str, hp: Mapping[str, Any], update: int) -> int:
 
 def horizon_steps(horizon: Mapping[str, float], prefix: Mapping[str, int], hparams: Mapping[str, Mapping[str, Any]],
                   at_least: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Each arm's horizon H (env steps after the event, :func:`stabstudy.analysis.studies.rl_outcomes.horizons`)
+    """Each arm's horizon H (env steps after the event, :func:`horizons`)
     rounded up to its :func:`fork_unit`, so that a fork running to event + H ends where a fork may end.
     An arm whose prefixes gained nothing has no horizon (NaN): it gets its prefix length, the
     longest an H measured on that prefix could be. ``at_least`` (per arm, e.g. the short window,
@@ -176,7 +177,6 @@ def with_arms(ds: xr.Dataset, arms: Mapping[str, str]) -> xr.Dataset:
     learner = [arms.get(str(h), str(a)) for h, a in zip(ds.run.values, ds.learner.values, strict=True)]
     return ds.assign_coords(learner=("run", learner))
 
-
 #: H as a fraction of the prefix length before the prefixes are trained (for a cost estimate only): the
 #: prefixes of the quick study of commit efa2e01 (results/quick/01_rl_algorithm_comparison.md, 3 seeds)
 #: reached 80% of their return gain after about 150k of 250k (PPO), 45k of 70k (SAC) and 38k of 60k
@@ -247,6 +247,14 @@ class ForkDesign:
     """the claim as stated: hyperparameters over the arm's (e.g. a small learning_starts)"""
     stated_eval_every: Mapping[str, int] = field(default_factory=dict)
     """the claim as stated: env steps between evaluations"""
+    extend_kinds: tuple[str, ...] = ("lr_spike",)
+    """perturbation kinds whose short forks run on to H where they dropped (the others' drops get no verdict)"""
+    horizon_frac: float = 0.8
+    """H is the env steps a prefix needed to reach this fraction of its return gain"""
+    collapse_frac: float = 0.5
+    """a fork dropped when its return fell below this fraction of its paired control's gain over the floor"""
+    recover_frac: float = 0.8
+    """a fork that dropped recovered when its last evaluations are back at this fraction by event + H"""
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> ForkDesign:
@@ -261,6 +269,24 @@ class ForkDesign:
     def seeds_of(self, arm: str) -> tuple[int, ...]:
         """The prefixes (seeds) of ``arm``."""
         return tuple(self.subset_seeds if arm in self.subset_arms else self.seeds)
+
+    def prefix_forks(self, hparams: Mapping[str, Mapping[str, Any]]) -> dict[str, list[RunSpec]]:
+        """Per regime, one unperturbed fork of every prefix (arm and seed) at its planning H: what
+        ``stabstudy.learners.rl.forks.prefix_specs`` reads the prefixes of, before they exist."""
+        out = {}
+        for r, pre in self.regimes().items():
+            h = horizon_steps({a: PLANNING_HORIZON_FRAC * n for a, n in pre.items()}, pre, hparams)
+            out[r] = [s for s in self.grids(hparams, h, prefix=pre, lr_only=True)["lr_spike to H"] if not s.perturbations]
+        return out
+
+    def horizon(self, prefix_curves: xr.DataArray, hparams: Mapping[str, Mapping[str, Any]],
+                prefix: Mapping[str, int]) -> tuple[pd.DataFrame, dict[str, int]]:
+        """H of one regime (``prefix``: its prefix length per arm) from its prefixes' learning curves
+        (``eval_curves`` with each run's arm as ``learner``): :func:`horizons` at ``horizon_frac``,
+        rounded by :func:`horizon_steps` and never shorter than a short fork's :meth:`window`.
+        Returns ``(per-prefix horizons, {arm: H})``."""
+        per, h = horizons(prefix_curves, frac=self.horizon_frac)
+        return per, horizon_steps(h, prefix, hparams, at_least={a: self.window(a, hparams[a]) for a in self.algos})
 
     def window(self, arm: str, hp: Mapping[str, Any]) -> int:
         """Env steps a short fork runs from its event: the perturbation window plus ``fork_post``."""
@@ -311,7 +337,7 @@ class ForkDesign:
 
     def plan(self, hparams: Mapping[str, Mapping[str, Any]],
              horizon: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, list[RunSpec]]:
-        """Every run of the design, for its cost (:func:`stabstudy.analysis.studies.rl_design.worker_seconds`):
+        """Every run of the design, for its cost (:func:`stabstudy.analysis.studies.rl.cost.worker_seconds`):
         ``"prefixes"`` (one per arm, seed and regime), the grids of every regime (the second regime's lr
         grids only), ``bisections`` stand-in forks per prefix (their doses are known only from the ladder's
         outcomes), ``"stated"``, and ``"extensions (at most)"``: every short fork run on to H, the most
@@ -339,7 +365,7 @@ class ForkDesign:
         return {k: list(dict.fromkeys(v)) for k, v in out.items()}
 
     def bisection_forks(self, hparams: Mapping[str, Mapping[str, Any]], doses, prefixes: Mapping[str, RunSpec]) -> list[RunSpec]:
-        """Short lr-spike forks at the doses of ``doses`` (``rl_outcomes.bisection_doses`` rows:
+        """Short lr-spike forks at the doses of ``doses`` (``outcomes.bisection_doses`` rows:
         ``learner`` the arm, ``prefix`` its prefix's spec hash, ``dose``), each of its own prefix
         (``prefixes``: hash -> prefix spec); then the drop rule, like every short fork."""
         kw = dict(task=self.task, hparams=hparams, lead=self.fork_lead, spike_updates=self.spike_updates,
@@ -373,11 +399,11 @@ def regimes(prefix_steps: Mapping[str, int], long_prefix_steps: Mapping[str, int
 
 
 def default_knob_as_same(table, hparams: Mapping[str, Mapping[str, Any]]):
-    """``table`` (``rl_comparison.summarize`` rows of a noise grid) with ``noise_after_fork`` "same"
+    """``table`` (``runs.summarize`` rows of a noise grid) with ``noise_after_fork`` "same"
     where a fork's explicit knob equals its arm's own (``hparams[arm]``, e.g. PPO ``ent_coef`` 0):
     the noise grid keeps its default level apart from the main grid (another lead, its own controls,
     :func:`fork_grid` ``keep_knob``), and within the grid that level is the default that
-    ``rl_noise.knob_check_table`` and the paired knob changes compare the raised levels with."""
+    ``checks.knob_check_table`` and the paired knob changes compare the raised levels with."""
     def own(row):
         v, hp = row["noise_after_fork"], hparams.get(row["learner"], {})
         knob = NOISE_KNOB[arm_learner(row["learner"])]
@@ -424,51 +450,41 @@ def stated_grid(algos: Sequence[str], seeds: Iterable[int], steps: Mapping[str, 
     return {k: list(dict.fromkeys(v)) for k, v in out.items()}, dropped
 
 
-# -- the drop rule and the outcomes over what each fork ran ----------------------------------------
+def geometric_points(low: float, high: float, points: int = 1) -> list[float]:
+    """The ``points`` doses that split ``[low, high]`` into ``points + 1`` equal steps of log dose,
+    rounded to 3 significant digits (so a dose reads as it is stored, and the same bracket always gives
+    the same dose): ``points=1`` is the geometric midpoint ``sqrt(low * high)``."""
+    if not (0 < low < high < np.inf):
+        raise ValueError(f"a bracket needs 0 < low < high < inf, got [{low}, {high}]")
+    if points < 1:
+        raise ValueError(f"points must be at least 1, got {points}")
+    return [float(f"{low * (high / low) ** (i / (points + 1)):.3g}") for i in range(1, int(points) + 1)]
 
 
-def dropped_forks(short_outcomes, table) -> list[str]:
-    """Spec hashes of the short forks to run on to H (:func:`to_horizon`): those whose return fell
-    below the paired control's (``collapse_frac`` of its gain) inside their short window.
-
-    ``short_outcomes``: :func:`stabstudy.analysis.studies.rl_outcomes.paired_table` of the short forks
-    with ``horizon`` = their window; a drop is state ``collapsed`` or ``recovered`` there (a return
-    that came back within the window may fall again). ``table``: :func:`summarize` of the same runs
-    (their ``status``). A fork that diverged is not run on: it stopped, and it is at its floor from
-    then on over any horizon. No verdict in the window (no control, too few evaluations) extends
-    nothing: that fork has no verdict over H either, and says why."""
-    if not len(short_outcomes):
-        return []
-    diverged = set(table.spec_hash[table["status"] == "diverged"]) if "status" in table else set()
-    drop = short_outcomes.state.isin(["collapsed", "recovered"]) & ~short_outcomes.spec_hash.isin(diverged)
-    return [str(h) for h in short_outcomes.spec_hash[drop]]
+# -- the horizon H: the env steps the prefixes needed to learn -------------------------------
 
 
-def horizon_outcomes(ds: xr.Dataset, table, *, horizon: Mapping[str, float], window: Mapping[str, float],
-                     long: Collection[str], floors: Mapping[str, float], prefix_of: Mapping[str, str], **kw: Any):
-    """Paired outcomes (:func:`stabstudy.analysis.studies.rl_outcomes.paired_table`) of every fork of
-    ``table``, each over what it ran: a fork that ran to its event + H (``long``: its spec hash) or
-    diverged (at its floor after it stopped) is judged over ``horizon`` (per arm); a short fork over
-    its ``window`` (per arm), where it did not drop (``no_drop``: not collapsed), and a short fork
-    that dropped there but was not run to H has no verdict (with that reason). Column
-    ``judged_over``: ``"H"`` or ``"short window"``."""
-    import pandas as pd
+def learning_horizon(curve: Any, frac: float = 0.8, final_points: int = 3) -> float:
+    """Env steps a prefix trained from scratch needed to reach ``frac`` of its final return gain:
+    the first evaluation at or above ``untrained + frac * (final - untrained)`` (untrained: its first
+    evaluation; final: the mean of its last ``final_points``). NaN when it gained nothing or has
+    fewer than two evaluations. ``curve``: 1-D over ``env_step`` (``eval_curves`` of one run)."""
+    s, v = finite_pairs(curve)
+    if s.size < 2:
+        return np.nan
+    gain = float(np.mean(v[-final_points:])) - v[0]
+    if not gain > 0:
+        return np.nan
+    return float(s[np.argmax(v >= v[0] + frac * gain)])
 
-    from stabstudy.analysis.studies import rl_outcomes
 
-    ctrl = table.pert_kind == "none"
-    longer = table.spec_hash.isin(set(long))
-    if "status" in table:
-        longer |= table["status"] == "diverged"
-    parts = []
-    for name, rows, h in (("H", ctrl | longer, horizon), ("short window", ctrl | ~longer, window)):
-        out = rl_outcomes.paired_table(ds, table[rows], horizon=h, floors=floors, prefix_of=prefix_of, **kw)
-        if not len(out):
-            continue
-        if name == "short window":
-            bad = out.state.isin(["collapsed", "recovered"])
-            out.loc[bad, "state"] = "no_verdict"
-            out.loc[bad, "collapsed"] = np.nan
-            out.loc[bad, "reason"] = "dropped within its short window but not run on to H"
-        parts.append(out.assign(judged_over=name))
-    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+def horizons(prefix_curves: xr.DataArray, frac: float = 0.8, final_points: int = 3):
+    """:func:`learning_horizon` of every prefix of ``prefix_curves`` (``eval_curves`` of the prefix
+    runs, with a ``learner`` coordinate) and per learner the median over its prefixes.
+    Returns ``(per_prefix DataFrame [learner, spec_hash, horizon], {learner: H})``."""
+    rows = [{"learner": str(prefix_curves["learner"].values[i]), "spec_hash": str(prefix_curves["spec_hash"].values[i]),
+             "horizon": learning_horizon(prefix_curves.isel(run=i), frac, final_points)}
+            for i in range(prefix_curves.sizes["run"])]
+    per = pd.DataFrame(rows, columns=["learner", "spec_hash", "horizon"])
+    return per, {a: float(np.nanmedian(g.horizon)) if g.horizon.notna().any() else np.nan
+                 for a, g in per.groupby("learner")}

@@ -1,4 +1,5 @@
-"""Notebook 01's design: the power of its rate comparisons, and the number of prefixes that gives it.
+"""Notebook 01's power: of its rate comparisons, its rank test of critical doses and its sign test,
+and the number of prefixes that gives it.
 
 The independent unit of the RL comparison is the separately trained prefix (forks of one prefix
 share its training, so they are not independent replicates). A claim such as "PPO collapses at
@@ -11,9 +12,10 @@ prefixes per arm that reaches a target power.
 
 Claim (b), "PPO's critical dose is lower", is a rank test over prefixes of each prefix's critical
 dose as the design measures it: the grid :data:`DOSE_GRID`, bisected at geometric midpoints
-(:func:`geometric_points`, :func:`measured_critical_dose`); :func:`critical_dose_power` simulates it,
-:func:`smallest_p` says when no outcome could decide. Claim (c) counts prefixes whose critical dose (or
-collapse) moved up or down with the noise knob: :func:`sign_test_power`.
+(:func:`stabstudy.analysis.studies.rl.design.geometric_points`, :func:`measured_critical_dose`);
+:func:`critical_dose_power` simulates it (:func:`stabstudy.analysis.stats.smallest_p` says when no
+outcome could decide). Claim (c) counts prefixes whose critical dose (or collapse) moved up or down
+with the noise knob: :func:`sign_test_power`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
+import pandas as pd
 from scipy import stats as sps
+
+from stabstudy.analysis.stats import smallest_p
+from stabstudy.analysis.studies.rl.design import geometric_points
 
 Method = Literal["exact", "simulation"]
 
@@ -101,8 +107,6 @@ def power_table(rates: Sequence[tuple[float, float]], ns: Sequence[int], n_contr
     """Planning table (pandas DataFrame): exact power of the joint test with ``n_controls`` control
     arms at each planning ``(p_treated, p_control)`` of ``rates`` (one rate for every control arm)
     and each number of prefixes per arm of ``ns``."""
-    import pandas as pd
-
     rows = [{"p_treated": pt, "p_control": pc, "prefixes": n,
              "power": boschloo_power(pt, [pc] * n_controls, n, alpha=alpha)} for pt, pc in rates for n in ns]
     return pd.DataFrame(rows)
@@ -112,17 +116,6 @@ def power_table(rates: Sequence[tuple[float, float]], ns: Sequence[int], n_contr
 
 #: The lr-spike factors every prefix is forked at before bisection (the control is factor 1).
 DOSE_GRID = (3.0, 10.0, 30.0, 100.0)
-
-
-def geometric_points(low: float, high: float, points: int = 1) -> list[float]:
-    """The ``points`` doses that split ``[low, high]`` into ``points + 1`` equal steps of log dose,
-    rounded to 3 significant digits (so a dose reads as it is stored, and the same bracket always gives
-    the same dose): ``points=1`` is the geometric midpoint ``sqrt(low * high)``."""
-    if not (0 < low < high < np.inf):
-        raise ValueError(f"a bracket needs 0 < low < high < inf, got [{low}, {high}]")
-    if points < 1:
-        raise ValueError(f"points must be at least 1, got {points}")
-    return [float(f"{low * (high / low) ** (i / (points + 1)):.3g}") for i in range(1, int(points) + 1)]
 
 
 def measured_critical_dose(true: Sequence[float], grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
@@ -148,14 +141,6 @@ def measured_critical_dose(true: Sequence[float], grid: Sequence[float] = DOSE_G
     return out
 
 
-def smallest_p(n1: int, n2: int) -> float:
-    """The smallest one-sided p-value a rank test of ``n1`` against ``n2`` values can give (the two
-    samples completely separated, no ties): ``1 / C(n1 + n2, n1)``."""
-    from math import comb
-
-    return 1.0 / comb(int(n1) + int(n2), int(n1)) if n1 and n2 else 1.0
-
-
 def critical_dose_power(n_lower: int, n_higher: int, *, medians: tuple[float, float] = (5.0, 50.0),
                         sd: float = 0.4, grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
                         alpha: float = 0.05, sims: int = 400, seed: int = 0) -> float:
@@ -164,7 +149,7 @@ def critical_dose_power(n_lower: int, n_higher: int, *, medians: tuple[float, fl
     ``sd`` in decades), measured as the design measures it (:func:`measured_critical_dose`: the grid,
     ``bisections`` midpoints, ``inf`` above the grid), then tested. Each simulated test uses the
     tie-corrected normal approximation (the claim itself uses the exact permutation test where it
-    can, :func:`stabstudy.analysis.studies.rl_outcomes.critical_dose_claim`); the power is 0 when even
+    can, :func:`stabstudy.analysis.studies.rl.claims.critical_dose_claim`); the power is 0 when even
     complete separation cannot reach ``alpha`` (:func:`smallest_p`). Monte Carlo standard error at
     most ``0.5 / sqrt(sims)``."""
     if min(n_lower, n_higher) < 1:
@@ -191,75 +176,3 @@ def sign_test_power(n: int, p_up: float, alpha: float = 0.05) -> float:
         raise ValueError(f"p_up must lie in [0, 1], got {p_up}")
     ks = [k for k in range(n + 1) if sps.binomtest(k, n, 0.5, alternative="greater").pvalue < alpha]
     return float(sum(sps.binom.pmf(k, n, p_up) for k in ks))
-
-
-# -- the cost of a design ---------------------------------------------------------------------
-
-#: Training env steps per second of one worker (``OMP_NUM_THREADS=1``) on HalfCheetah-v5 with the
-#: study's callbacks (Monitor every update), evaluations left out: the ``callback`` row of
-#: ``benchmarks/rl_overhead.py --algo A --repeats 1 --checkpoint-buffer 0`` on the idle 2-core
-#: development machine, 2026-12-04 20:29 UTC (load 0.7): PPO 1132, SAC 187, TD3 356. Under a load of
-#: 5-8 (03:00 UTC that day) the same command gave SAC 60 and TD3 70: the rates fall with the
-#: load, so :func:`calibration` rescales them from the wall times of stored prefixes where there are some.
-TRAIN_RATES = {"ppo": 1100.0, "a2c": 1100.0, "sac": 185.0, "td3": 350.0, "ddpg": 350.0}
-#: Env steps per second of a deterministic evaluation (five episodes side by side, one batched forward
-#: pass per step, MuJoCo steps) of an untrained 64-unit policy on HalfCheetah-v5, one thread, on the
-#: idle development machine, 2026-12-04 20:35 UTC: PPO 9978, SAC 8989, TD3 10182 (one episode at a
-#: time: 3888, 3306, 4327).
-EVAL_RATES = {"ppo": 9500.0, "a2c": 9500.0, "sac": 8500.0, "td3": 9500.0, "ddpg": 9500.0}
-
-
-def run_cost(spec, episode_steps: int = 1000) -> dict[str, float]:
-    """What one RL run computes: ``train_steps`` (env steps it trains: a fork only its continuation)
-    and ``eval_steps`` (env steps of its evaluation episodes: one evaluation at the start, every
-    ``eval_every`` env steps, at the end; ``eval_max_steps`` or ``episode_steps`` per episode)."""
-    hp = spec.hp
-    prefix = int(hp.get("prefix_steps", 0))
-    span = spec.steps - (prefix if 0 < prefix < spec.steps else 0)
-    every = spec.eval_every or max(1, span // 20)
-    episodes = int(hp.get("eval_episodes", 2))
-    length = int(hp.get("eval_max_steps", 0)) or int(episode_steps)
-    return {"train_steps": float(span), "eval_steps": float((span // every + 2) * episodes * length)}
-
-
-def calibration(specs, wall_s, rates: dict[str, float] | None = None, eval_rates: dict[str, float] | None = None,
-                episode_steps: int = 1000) -> dict[str, float]:
-    """Per learner, measured over predicted wall time of stored runs (``specs`` with their
-    ``wall_s``, e.g. the prefixes): the factor :func:`worker_seconds` multiplies its estimate by
-    (1 where none is stored). It carries what the constants do not: this machine's load, the
-    Monitor's cadence, the prefixes' own hyperparameters."""
-    pred: dict[str, float] = {}
-    meas: dict[str, float] = {}
-    for s, w in zip(specs, wall_s, strict=True):
-        if w is None or not np.isfinite(w):
-            continue
-        c = run_cost(s, episode_steps)
-        pred[s.learner] = pred.get(s.learner, 0.0) + c["train_steps"] / (rates or TRAIN_RATES)[s.learner] + \
-            c["eval_steps"] / (eval_rates or EVAL_RATES)[s.learner]
-        meas[s.learner] = meas.get(s.learner, 0.0) + float(w)
-    return {a: meas[a] / pred[a] for a in pred if pred[a] > 0}
-
-
-def worker_seconds(grids, *, rates: dict[str, float] | None = None, eval_rates: dict[str, float] | None = None,
-                   factor: dict[str, float] | None = None, episode_steps: int = 1000):
-    """Estimated worker-seconds of ``grids`` (``{name: specs}``; a spec in several grids counts
-    once, in the first): per grid and learner, ``runs``, ``train_steps``, ``eval_steps`` and
-    ``worker_s`` = train steps / :data:`TRAIN_RATES` + eval steps / :data:`EVAL_RATES`, times the
-    learner's ``factor`` (:func:`calibration`; default 1). A pandas DataFrame."""
-    import pandas as pd
-
-    rates, eval_rates, seen, rows = rates or TRAIN_RATES, eval_rates or EVAL_RATES, set(), []
-    for name, specs in grids.items():
-        for s in specs:
-            if s.spec_hash in seen:
-                continue
-            seen.add(s.spec_hash)
-            if s.learner not in rates:
-                raise ValueError(f"no training rate for {s.learner!r}; known: {', '.join(rates)}")
-            c = run_cost(s, episode_steps)
-            sec = (c["train_steps"] / rates[s.learner] + c["eval_steps"] / eval_rates[s.learner]) * \
-                (factor or {}).get(s.learner, 1.0)
-            rows.append({"grid": name, "learner": s.learner, "runs": 1, **c, "worker_s": sec})
-    cols = ["grid", "learner", "runs", "train_steps", "eval_steps", "worker_s"]
-    out = pd.DataFrame(rows, columns=cols)
-    return out.groupby(["grid", "learner"], sort=False, as_index=False).sum() if len(out) else out

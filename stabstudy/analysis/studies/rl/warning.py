@@ -12,7 +12,7 @@ unperturbed fork of each prefix (its *control*: nothing was done to it, the clea
   the first row at or after its env step.
 * *Labels from the paired control* (:func:`row_labels`): each perturbed fork against the control of
   its prefix at the same env steps over ``[event, event + H]``
-  (:func:`stabstudy.analysis.studies.rl_outcomes.paired_outcome`; ``H`` the algorithm's learning
+  (:func:`stabstudy.analysis.studies.rl.outcomes.paired_outcome`; ``H`` the algorithm's learning
   horizon). An *event* is a drop of the return below ``collapse_frac`` of the control's gain over
   the prefix's untrained return; its onset is the first row after the evaluation that first shows
   it (evaluations come every ``eval_every`` env steps, so a detector that fires at the drop itself
@@ -39,8 +39,8 @@ import xarray as xr
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import meta_state as M
-from stabstudy.analysis.studies import rl_comparison as R
-from stabstudy.analysis.studies import rl_outcomes as O
+from stabstudy.analysis.studies.rl import curves, design, runs
+from stabstudy.analysis.studies.rl import outcomes as O
 from stabstudy.analysis.warning import evaluation as E
 from stabstudy.online import MetaConfig
 
@@ -110,20 +110,20 @@ def on_rows(ds: xr.Dataset, channel: str = ROW_CHANNEL) -> xr.Dataset:
 def paired(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, str], *, collapse_frac: float = 0.5,
            recover_frac: float = 0.8, horizon: Mapping[str, float] | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
     """Every perturbed fork of ``fork_ds`` against its control (notebook 01's
-    :func:`~stabstudy.analysis.studies.rl_outcomes.paired_table`, with its floors: the prefixes'
-    untrained returns). ``horizon``: per learner (default: :func:`~stabstudy.analysis.studies.rl_outcomes.horizons`
+    :func:`~stabstudy.analysis.studies.rl.outcomes.paired_table`, with its floors: the prefixes'
+    untrained returns). ``horizon``: per learner (default: :func:`~stabstudy.analysis.studies.rl.design.horizons`
     of ``prefix_ds``'s learning curves, as notebook 01 computes it, for every learner ``horizon`` does
     not name). Returns the table and the horizons."""
     learners = {str(a) for a in np.atleast_1d(fork_ds["learner"].values)}
     H = dict(horizon or {})
     if not learners <= set(H):  # a learner the given horizons do not name: from its prefixes
-        H = {**O.horizons(R.eval_curves(prefix_ds))[1], **H}
+        H = {**design.horizons(curves.eval_curves(prefix_ds))[1], **H}
     missing = [str(h) for h in fork_ds["run"].values if str(h) not in prefix_of]
     if missing:
         raise ValueError(f"prefix_of names no prefix for fork(s) {missing[:3]}")
     prefix_of = {str(h): prefix_of[str(h)] for h in fork_ds["run"].values}
-    floors, scale = R.return_reference(prefix_ds, R.eval_curves(fork_ds), prefix_of)
-    table = R.summarize(fork_ds, floors=floors, frac=collapse_frac, recover_frac=recover_frac, scale=scale)
+    floors, scale = curves.return_reference(prefix_ds, curves.eval_curves(fork_ds), prefix_of)
+    table = runs.summarize(fork_ds, floors=floors, frac=collapse_frac, recover_frac=recover_frac, scale=scale)
     out = O.paired_table(fork_ds, table, horizon=H, floors=floors, prefix_of=prefix_of, frac=collapse_frac,
                          recover_frac=recover_frac)
     return out, H
