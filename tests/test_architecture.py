@@ -1,8 +1,10 @@
-"""The folders are the architecture: imports go one way, and no module grows past a screenful of screens."""
+"""The folders are the architecture: imports go one way, no two modules of a layer import each other
+(directly or around a circle), and no module grows past a screenful of screens."""
 
 from __future__ import annotations
 
 import ast
+from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,39 @@ def imports(path: Path) -> list[tuple[int, str]]:
     return out
 
 
+def runtime_imports(path: Path) -> set[str]:
+    """The ``stabstudy`` modules the file imports when it runs (also inside functions): those of
+    :func:`imports` less the ones under ``if TYPE_CHECKING:`` (annotations only, never executed)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for stmt in block.body for n in ast.walk(stmt)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stabstudy"):
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if _is_module(sub) else node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("stabstudy")}
+    return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` (module -> the modules it imports), as ``[a, b, ..., a]``; None when there is none."""
+    try:
+        TopologicalSorter(graph).prepare()
+    except CycleError as e:
+        return list(e.args[1])
+    return None
+
+
 def _is_module(name: str) -> bool:
     p = PKG.parent.joinpath(*name.split("."))
     return p.with_suffix(".py").exists() or (p / "__init__.py").exists()
@@ -85,6 +120,36 @@ def test_imports_follow_the_arrows(path):
     src = module_name(path)
     wrong = [f"line {line}: {dst}" for line, dst in imports(path) if not permitted(src, dst)]
     assert not wrong, f"{src} ({layer_of(src)}) may import only {sorted(ALLOWED[layer_of(src)])}: {wrong}"
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_no_import_cycle_inside_a_layer(layer):
+    mods = {module_name(f): f for f in FILES if layer_of(module_name(f)) == layer}
+    graph = {m: {d for d in runtime_imports(f) if d in mods and d != m} for m, f in mods.items()}
+    cycle = import_cycle(graph)
+    assert cycle is None, f"import cycle inside {layer}: {' -> '.join(cycle)} (move what both need to a module of its own)"
+
+
+def test_the_cycle_check_can_fail():
+    assert import_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) in (["a", "c", "b", "a"], ["a", "b", "c", "a"],
+                                                                ["b", "a", "c", "b"], ["c", "b", "a", "c"],
+                                                                ["b", "c", "a", "b"], ["c", "a", "b", "c"])
+    assert import_cycle({"a": {"b"}, "b": set()}) is None
+    # an import under `if TYPE_CHECKING:` is never executed: no cycle (stabstudy.interventions.perturb.effects)
+    effects = PKG / "interventions" / "perturb" / "effects.py"
+    assert "stabstudy.interventions.perturb.perturber" in {d for _, d in imports(effects)}
+    assert "stabstudy.interventions.perturb.perturber" not in runtime_imports(effects)
+
+
+RL = PKG / "analysis" / "studies" / "rl"
+
+
+@pytest.mark.parametrize("path", sorted(RL.glob("*.py")), ids=lambda p: p.name)
+def test_the_rl_study_imports_at_module_level(path):
+    inner = [f"line {n.lineno}" for f in ast.walk(ast.parse(path.read_text()))
+             if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+             for n in ast.walk(f) if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert not inner, f"{path.name} imports inside functions ({', '.join(inner)}): import at module level"
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(PKG)))

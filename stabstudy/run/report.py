@@ -26,7 +26,6 @@ An executed notebook that did not run to its end (killed, a cell that raised, st
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata as md
 import json
 import platform
@@ -37,22 +36,9 @@ from stabstudy import paths
 from stabstudy.analysis import claims_markdown
 from stabstudy.run import findings
 
-#: Folders whose contents decide the published numbers.
-SOURCES = ("stabstudy", "notebooks")
 #: Packages whose versions head CLAIMS.md.
 PACKAGES = ("torch", "numpy", "scipy", "xarray", "pandas", "stable-baselines3", "gymnasium", "mujoco",
             "statsmodels", "scikit-learn", "papermill")
-
-
-def source_hashes() -> dict[str, str]:
-    """sha256 of every source file under :data:`SOURCES`, keyed by its repo-relative path."""
-    root = paths.root()
-    out = {}
-    for folder in SOURCES:
-        for f in sorted((root / folder).rglob("*")):
-            if f.is_file() and "__pycache__" not in f.parts and ".ipynb_checkpoints" not in f.parts:
-                out[f.relative_to(root).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
-    return out
 
 
 def _versions() -> dict[str, str]:
@@ -201,7 +187,7 @@ def publish(profile: str = "quick") -> list[Path]:
     ``--only`` publishes what it ran and keeps the rest). ``CLAIMS.md`` names each page's commit."""
     import nbformat
 
-    from stabstudy.run.store import git_commit
+    from stabstudy.run.store import git_commit, source_hashes
 
     executed = _executed(profile)
     refused = [(nb, why) for nb in executed if (why := unfinished(nbformat.read(nb, as_version=4)))]
@@ -311,6 +297,8 @@ def check(profile: str = "quick") -> list[str]:
     if not f.exists():
         return [f"no published results in {f.parent}: run `stabstudy study --profile {profile}` "
                 f"then `stabstudy report --profile {profile}`"]
+    from stabstudy.run.store import source_hashes
+
     pages = json.loads(f.read_text()).get("notebooks", {})
     now, changed = source_hashes(), {}
     for stem, e in pages.items():

@@ -126,6 +126,21 @@ def _lock(path: str) -> FileLock:
     return FileLock(path, thread_local=False)
 
 
+#: Folders whose contents decide the published numbers.
+SOURCE_FOLDERS = ("stabstudy", "notebooks")
+
+
+def source_hashes() -> dict[str, str]:
+    """sha256 of every source file under :data:`SOURCE_FOLDERS`, keyed by its repo-relative path."""
+    root = paths.root()
+    out = {}
+    for folder in SOURCE_FOLDERS:
+        for f in sorted((root / folder).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts and ".ipynb_checkpoints" not in f.parts:
+                out[f.relative_to(root).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
+
+
 @functools.cache
 def git_commit() -> str:
     """Commit of the checkout holding the code (``+dirty`` when it has changes), or ``unknown``."""

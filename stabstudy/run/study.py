@@ -399,7 +399,7 @@ def expected_times(profile: str, stems: Sequence[str]) -> str | None:
     def when(e: dict) -> str:
         return f"{e['commit'][:7]}, {str(e.get('end', ''))[:10]}"
 
-    from stabstudy.run.report import source_hashes
+    from stabstudy.run.store import source_hashes
 
     now = source_hashes()
 
