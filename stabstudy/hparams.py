@@ -281,6 +281,8 @@ class RLCommon(ControlHParams):
     """env steps of the stored prefix this run continues (0: from scratch; = steps: train and store the prefix)"""
     noise_after_fork: float | Literal["same"] = "same"
     """a fork's own noise knob (registry.NOISE_KNOB) from the fork on; "same": the prefix's value"""
+    match_return: float | Literal["none"] = "none"
+    """a prefix matched by return: train until the mean of two consecutive evaluations first reaches this ("none": no target)"""
 
 
 @dataclass(frozen=True)

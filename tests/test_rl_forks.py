@@ -92,15 +92,51 @@ def test_a_halfcheetah_fork_continues_exactly_like_the_uninterrupted_run(algo):
     _assert_fork_equals_full(algo, *specs(algo, (Perturbation("lr_spike", P + 64, 64, 30.0),), task="HalfCheetah-v5"))
 
 
-def _assert_fork_equals_full(algo, full, fork):
-    rl.run(forks.prefix_key(fork))
+@pytest.mark.parametrize("algo", ["ppo", "sac"])
+def test_a_prefix_matched_by_return_stops_at_its_target_and_its_forks_continue_the_uninterrupted_run(algo):
+    """A matching prefix stops at the first evaluation whose mean with the one before reaches its
+    target (here every return does: the second evaluation, env step 128) and stores the checkpoint of
+    the plain prefix of that length; a fork of it continues like the uninterrupted run. One it never
+    reaches trains to its cap and says so."""
+    cap = 640
+    match = RunSpec("rl", algo, "Pendulum-v1", cap, 0, hparams={**TINY[algo], "match_return": -1e9}, eval_every=128)
+    assert forks.role(match) == "match"
+    ds = rl.run(match)
+    assert (ds.attrs["matched"], ds.attrs["match_env_step"], ds.attrs["env_steps"]) == (1, 128, 128)
+    assert np.isfinite(ds.attrs["match_return"]) and ds.attrs["prefix_hash"] == forks.matched_prefix(match, 128).spec_hash
+    perf = ds.perf.values[np.isfinite(ds.perf.values)]
+    assert perf.size == 3  # untrained, env step 128, and the closing evaluation after the last update
+    full = RunSpec("rl", algo, "Pendulum-v1", 128 + K, 0, hparams=TINY[algo], eval_every=64,
+                   perturbations=(Perturbation("lr_spike", 128 + 64, 64, 30.0),))
+    fork = full.replace(hparams={"prefix_steps": 128})
+    assert forks.prefix_key(fork) == forks.matched_prefix(match, 128) and forks.has_checkpoint(forks.prefix_key(fork))
+    _assert_fork_equals_full(algo, full, fork, prefix=None, steps=128 + K)
+    never = rl.run(match.replace(hparams={"match_return": 1e9}))
+    assert (never.attrs["matched"], never.attrs["env_steps"]) == (0, cap) and np.isnan(never.attrs["match_return"])
+    assert forks.has_checkpoint(forks.matched_prefix(match.replace(hparams={"match_return": 1e9}), cap))
+
+
+@pytest.mark.parametrize(("hp", "eval_every", "match"), [
+    ({"match_return": 0.0}, 96, "multiple of the fork unit 64"),
+    ({"match_return": 0.0}, 0, "multiple of the fork unit"),
+    ({"match_return": 0.0, "prefix_steps": 64}, 64, "matching prefix only"),
+])
+def test_a_matching_prefix_that_could_not_stop_cleanly_is_refused(hp, eval_every, match):
+    spec = RunSpec("rl", "ppo", "Pendulum-v1", 640, 0, hparams={**TINY["ppo"], **hp}, eval_every=eval_every)
+    with pytest.raises(ValueError, match=match):
+        rl.run(spec)
+
+
+def _assert_fork_equals_full(algo, full, fork, prefix=True, steps=P + K):
+    if prefix:
+        rl.run(forks.prefix_key(fork))
     a, b = rl.run(full), rl.run(fork)
     assert b.attrs["fork_role"] == "fork" and b.attrs["status"] == a.attrs["status"] == "ok"
     assert b.attrs["checkpoint_sha256"] == forks.read_sidecar(forks.prefix_key(fork).spec_hash)["sha256"]
-    assert b.attrs["n_updates"] == a.attrs["n_updates"] and b.attrs["env_steps"] == a.attrs["env_steps"] == P + K
+    assert b.attrs["n_updates"] == a.attrs["n_updates"] and b.attrs["env_steps"] == a.attrs["env_steps"] == steps
     tail = a.sel(step=b.step.values)
     np.testing.assert_array_equal(tail.env_step.values, b.env_step.values)
-    assert b.env_step.values[0] == P and b.perf.values[0] == b.perf.values[0]  # evaluated at the fork
+    assert b.env_step.values[0] == forks.prefix_steps(fork) and b.perf.values[0] == b.perf.values[0]  # evaluated at the fork
     for ch in EXACT:
         if ch in a:
             np.testing.assert_array_equal(tail[ch].values[1:], b[ch].values[1:], err_msg=f"{algo} {ch}")

@@ -11,6 +11,14 @@ A run whose hyperparameter ``prefix_steps`` is ``P > 0`` does not train from scr
   numbers (``step``) continue the prefix's, so a fork's Dataset reads like the tail of
   the uninterrupted run.
 
+A run with ``match_return`` (and no ``prefix_steps``) is a *matching prefix*: it trains from
+scratch, evaluating every ``spec.eval_every`` env steps (a multiple of the fork unit), until the
+mean of two consecutive evaluations first reaches ``match_return`` or ``spec.steps`` (its cap) is
+spent, and stores its checkpoint there, at env step ``T``, as the checkpoint of the plain prefix of
+``T`` env steps (:func:`matched_prefix`): a fork with ``prefix_steps = T`` continues it. Training does
+not depend on the evaluation cadence or on where ``learn()`` was asked to stop, so that checkpoint
+is the one the plain prefix would store (``tests/test_rl_forks.py`` checks it).
+
 The prefix of a fork is keyed by :func:`prefix_key`: the spec with its perturbations and
 continuation-only hyperparameters (:data:`CONTINUATION_ONLY`) removed, ``steps = P``, and
 the recording cadence of a prefix (evaluation every ``P // 20`` env steps, no curvature),
@@ -89,7 +97,9 @@ _MODEL_ELSEWHERE = ("env", "_vec_normalize_env", "replay_buffer", "rollout_buffe
 #: Key of a MuJoCo env's integration state in its layer's stored state.
 _MUJOCO = "__mujoco_state__"
 
-Role = Literal["scratch", "prefix", "fork"]
+Role = Literal["scratch", "prefix", "fork", "match"]
+#: Hyperparameters of a matching prefix that its stored prefix does not carry.
+MATCH_ONLY = ("match_return",)
 
 
 class CheckpointError(RuntimeError):
@@ -105,9 +115,22 @@ def prefix_steps(spec: RunSpec) -> int:
 
 
 def role(spec: RunSpec) -> Role:
-    """``scratch`` (``prefix_steps`` 0), ``prefix`` (``prefix_steps == steps``) or ``fork``."""
+    """``scratch`` (``prefix_steps`` 0), ``prefix`` (``prefix_steps == steps``), ``fork``, or
+    ``match`` (a ``match_return`` and no ``prefix_steps``: a prefix matched by return)."""
     p = prefix_steps(spec)
+    if p == 0 and spec.hp.get("match_return", "none") != "none":
+        return "match"
     return "scratch" if p == 0 else "prefix" if p == spec.steps else "fork"
+
+
+def matched_prefix(spec: RunSpec, steps: int) -> RunSpec:
+    """The plain prefix (:func:`prefix_key`'s spec) whose checkpoint a matching prefix ``spec`` stores
+    when it stops at env step ``steps``: what a fork with ``prefix_steps = steps`` continues."""
+    if role(spec) != "match":
+        raise ValueError(f"{spec.label} is not a matching prefix (it has no match_return)")
+    hp = {k: v for k, v in spec.hp.items() if k not in MATCH_ONLY}
+    return RunSpec(spec.domain, spec.learner, spec.task, int(steps), spec.seed, hparams={**hp, "prefix_steps": int(steps)},
+                   perturbations=(), log_every=spec.log_every, eval_every=0, curvature_every=0)
 
 
 def check(spec: RunSpec, hp: dict[str, Any]) -> None:
@@ -118,6 +141,17 @@ def check(spec: RunSpec, hp: dict[str, Any]) -> None:
     call can stop without changing what follows (a rollout end for PPO/A2C, a train call
     for off-policy learners)."""
     p, r = prefix_steps(spec), role(spec)
+    if hp.get("match_return", "none") != "none" and r != "match":
+        raise ValueError("match_return applies to a matching prefix only (no prefix_steps): its forks name the "
+                         "env step it stopped at as their prefix_steps")
+    if r == "match":
+        unit = int(hp["n_steps"]) if spec.learner in ON_POLICY else int(hp["train_freq"])
+        if spec.perturbations:
+            raise ValueError("a matching prefix has no perturbations; they belong to its forks")
+        if spec.eval_every <= 0 or spec.eval_every % unit:
+            raise ValueError(f"a matching prefix checks its target at its evaluations: eval_every ({spec.eval_every}) "
+                             f"must be a positive multiple of the fork unit {unit}")
+        return
     if p < 0 or p > spec.steps:
         raise ValueError(f"prefix_steps must lie in [0, steps = {spec.steps}], got {p}")
     if r != "fork" and hp.get("noise_after_fork", "same") != "same":

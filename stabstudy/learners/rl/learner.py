@@ -26,6 +26,7 @@ check every this many ``train()`` calls, off-policy), ``diverge_threshold``, ``n
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -54,6 +55,7 @@ from stabstudy.learners.rl.callbacks import (
     TelemetryCallback,
 )
 from stabstudy.learners.rl.envs import ENV_KINDS, check_env_id, make_base, make_env, make_eval_env
+from stabstudy.learners.rl.matching import MatchCallback, TargetReached
 from stabstudy.learners.rl.recorder import ROLLOUT_FLAGGED, Recorder
 from stabstudy.registry import LEARNERS, NOISE_KNOB, ON_POLICY, arm_learner, hparams_class
 from stabstudy.seeding import seed_everything
@@ -141,6 +143,8 @@ def callbacks_for(spec: RunSpec, monitor: bool = True, evaluation: bool = True) 
     ctrl = control.from_hparams(hp)
     if ctrl is not None:  # after the lr-spike hooks (installed at init), so that its lr back-off acts on the spiked lr
         cbs.append(ControllerCallback(rec, ctrl))
+    if forks.role(spec) == "match":  # last: it stops training at a rollout start the others have seen
+        cbs.append(MatchCallback(rec, float(hp["match_return"]), spec.eval_every))
     return rec, CallbackList(cbs)
 
 
@@ -192,7 +196,10 @@ def run(spec: RunSpec) -> xr.Dataset:
 
     With ``prefix_steps`` (:mod:`stabstudy.learners.rl.forks`): a prefix run trains from
     scratch without the Monitor (nothing perturbs it; its record is the learning curve) and
-    stores its checkpoint; a fork continues its prefix's checkpoint to ``spec.steps``.
+    stores its checkpoint; a fork continues its prefix's checkpoint to ``spec.steps``. With
+    ``match_return``: a matching prefix, which stops where its return first reached the target
+    (at most ``spec.steps``) and stores the checkpoint of the plain prefix of that length
+    (``attrs``: ``matched``, ``match_env_step``, ``match_return``, ``prefix_hash``).
 
     Returns the Dataset (dim ``step`` = updates completed, coordinate ``env_step``),
     ``attrs["status"]`` ``"ok"`` or ``"diverged"`` (with ``diverge_reason``).
@@ -209,7 +216,7 @@ def run(spec: RunSpec) -> xr.Dataset:
         model, resumed = resume(spec)
     else:
         model = build_model(spec)
-    rec, cb = callbacks_for(spec, monitor=kind != "prefix")
+    rec, cb = callbacks_for(spec, monitor=kind not in ("prefix", "match"))
     if resumed:
         rec.resume(resumed["n_updates"], resumed["train_calls"], model.num_timesteps)
         _diagnostics(cb).rng_state = resumed["diag_rng"]
@@ -219,6 +226,8 @@ def run(spec: RunSpec) -> xr.Dataset:
         if not rec.diverged:
             model.learn(total_timesteps=spec.steps - model.num_timesteps, callback=cb, progress_bar=False,
                         reset_num_timesteps=kind != "fork")
+    except TargetReached:
+        cb.on_training_end()  # what learn() calls where it ends: the closing evaluation, the callbacks closed
     except Exception as e:  # a diverged policy can crash SB3 (NaN distribution parameters) or MuJoCo
         if rec.diverged or not all_finite(model.policy.parameters()) or _numerical_blowup(e):
             rec.diverge(f"{type(e).__name__}: {str(e)[:200]}")
@@ -237,11 +246,17 @@ def run(spec: RunSpec) -> xr.Dataset:
                     learner_wall_s=float(time.perf_counter() - t0), perturbation_rows=PERTURBATION_ROWS,
                     monitor_own_steps=MONITOR_OWN_STEPS, fork_role=kind, dose_rules=DOSE_RULES,
                     replay_rule=REPLAY_RULE)
-    if kind == "prefix":
-        _, sha = forks.save(spec, model, {"n_updates": rec.n_updates, "train_calls": rec.train_calls,
-                                          "diag_rng": _diagnostics(cb).rng_state},
+    if kind in ("prefix", "match"):
+        key = spec if kind == "prefix" else forks.matched_prefix(spec, int(model.num_timesteps))
+        _, sha = forks.save(key, model, {"n_updates": rec.n_updates, "train_calls": rec.train_calls,
+                                         "diag_rng": _diagnostics(cb).rng_state},
                             ds.attrs["status"], rec.diverge_reason)
         ds.attrs.update(checkpoint_sha256=sha)
+        if kind == "match":
+            match = next(c for c in cb.callbacks if isinstance(c, MatchCallback))
+            ds.attrs.update(prefix_hash=key.spec_hash, matched=int(match.reached is not None),
+                            match_env_step=int(model.num_timesteps),
+                            match_return=match.reached[1] if match.reached else math.nan)
     elif kind == "fork":
         ds.attrs.update(prefix_hash=forks.prefix_key(spec).spec_hash, checkpoint_sha256=resumed["sha256"])
     model.env.close()
@@ -295,6 +310,9 @@ def stale(spec: RunSpec, attrs: dict) -> str | None:
     if forks.role(spec) == "prefix" and attrs.get("status") in ("ok", "diverged") and not forks.has_checkpoint(spec):
         # its forks need the checkpoint, which only training the prefix again makes
         return f"is a prefix whose checkpoint is not in {forks.checkpoints_dir()}"
+    if forks.role(spec) == "match" and attrs.get("status") in ("ok", "diverged") and not forks.has_checkpoint(
+            forks.matched_prefix(spec, int(attrs.get("env_steps", 0)))):
+        return f"is a matching prefix whose checkpoint is not in {forks.checkpoints_dir()}"
     return None
 
 
