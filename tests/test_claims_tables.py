@@ -9,9 +9,7 @@ import pytest
 
 from stabstudy.analysis import claims as C
 from stabstudy.analysis.studies import calibration, closed_loop, lm_spikes, precision
-from stabstudy.analysis.studies.rl import claims as rl_claims
 from stabstudy.analysis.studies.rl import curves as rl_curves
-from stabstudy.analysis.studies.rl import runs as rl_runs
 
 MISSING = {"not tested", "inconclusive"}
 
@@ -88,144 +86,7 @@ def test_calibration_claims_declare_their_plan():
     assert len(catapult) == 3 and catapult.power_supported.notna().all()
 
 
-# -- notebook 01 -------------------------------------------------------------------------
-
-
-def _rl(ppo_collapses: bool, off_learns: bool, n: int = 10, decoupled: bool = True) -> pd.DataFrame:
-    rng = np.random.default_rng(0)
-    rows = []
-    for a in ("ppo", "sac", "td3"):
-        for k in ("none", "lr_spike", "action_noise", "reward_scale"):
-            for i in range(n):
-                coll = float(a == "ppo" and k != "none" and ppo_collapses)
-                pre = 1000.0 + rng.normal(0, 10)
-                gain = (200.0 if off_learns else -300.0) if a != "ppo" else (-800.0 if coll else 100.0)
-                final = pre + gain + rng.normal(0, 20)
-                stab = rng.random() if decoupled else (final - 100) / 1500
-                rows.append(dict(learner=a, pert_kind=k, seed=i, pre_return=pre, final_return=final,
-                                 collapsed=coll, stability=stab, pre_event_invalid=False))
-    return pd.DataFrame(rows)
-
-
-def _noise(buffers: bool, n: int = 12) -> pd.DataFrame:
-    rows = []
-    for a, knob, values in (("ppo", "ent_coef", [0.0, 0.01, 0.05]), ("sac", "target_entropy", [-12.0, -6.0, 0.0]),
-                            ("td3", "action_noise_std", [0.0, 0.1, 0.3])):
-        for j, val in enumerate(values):
-            for i in range(n):
-                s = 0.2 + 0.3 * j + 0.01 * i
-                rows.append({"learner": a, knob: val, "noise": val, "stability": s if buffers else 1 - s})
-    return pd.DataFrame(rows)
-
-
-def _dose(ppo_lower: bool, n: int = 10) -> pd.DataFrame:
-    return pd.DataFrame([dict(learner=a, pert_dose=d, seed=i, collapsed=float((a == "ppo") == ppo_lower))
-                         for a in ("ppo", "sac", "td3") for d in (3.0, 30.0) for i in range(n)])
-
-
-def test_rl_missing_data_gives_no_verdict():
-    assert set(verdicts(rl_claims.claims_table(pd.DataFrame(), 1.0)).values()) <= MISSING
-    comp = _rl(True, True)
-    for c in ("pre_return", "final_return", "collapsed", "stability"):
-        comp[c] = np.nan
-    noise, dose = _noise(True), _dose(True)
-    noise["stability"], dose["collapsed"] = np.nan, np.nan
-    assert set(verdicts(rl_claims.claims_table(comp, 2000.0, dose=dose, noise=noise)).values()) <= MISSING
-
-
-def test_rl_claims_for_and_against():
-    v = verdicts(rl_claims.claims_table(_rl(True, True, n=40), 2000.0, dose=_dose(True), noise=_noise(True)))
-    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "supported"
-    assert find(v, "SAC keeps learning after action noise") == "supported"
-    assert find(v, "returns before the spike are comparable: PPO vs TD3") == "supported"
-    assert find(v, "high final return is decoupled") == "supported"
-    assert find(v, "more of SAC's own noise") == "supported"
-    assert find(v, "PPO has a lower critical lr-spike dose than TD3") == "supported"
-    v = verdicts(rl_claims.claims_table(_rl(False, False, n=40, decoupled=False), 2000.0, comparable_tol=0.001,
-                                            dose=_dose(False), noise=_noise(False)))
-    assert find(v, "SAC keeps learning after action noise") == "not supported"
-    assert find(v, "returns before the spike are comparable: PPO vs SAC") in MISSING | {"not supported"}
-    assert find(v, "high final return is decoupled") == "not supported"
-    assert find(v, "more of TD3's own noise") == "not supported"
-    assert find(v, "PPO has a lower critical lr-spike dose than SAC") == "not supported"
-    # a collapse rate is compared with the unperturbed rate, not with 50%: all collapse, unperturbed too
-    same = _rl(True, True)
-    same.loc[same.learner == "ppo", "collapsed"] = 1.0
-    v = verdicts(rl_claims.claims_table(same, 2000.0))
-    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "inconclusive"
-
-
-def test_rl_claim_as_stated_and_as_meant_are_both_rows_whatever_they_say():
-    """The trained regime supports the claim, the fresh runs (both readings of "step") contradict
-    it: every regime keeps its rows, none is dropped for disagreeing with the paper."""
-    meant = _rl(True, True, n=40)
-    fresh = _rl(False, False, n=40)
-    stated = {"env steps 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])],
-              "updates 2000 of a fresh run": fresh[fresh.pert_kind.isin(["none", "lr_spike"])]}
-    v = verdicts(rl_claims.claims_table(meant, 2000.0, stated=stated))
-    spike = "PPO collapses irreversibly after a single learning-rate spike"
-    assert find(v, f"{spike} (collapse rate above its unperturbed rate; {rl_claims.MEANT})") == "supported"
-    for reading in stated:
-        assert find(v, f"{spike} (collapse rate above its unperturbed rate; as stated: spike at {reading})") in \
-            MISSING | {"not supported"}
-        assert find(v, f"SAC keeps learning after a single learning-rate spike (final return above its "
-                       f"pre-perturbation return; as stated: spike at {reading})") == "not supported"
-    assert len([k for k in v if k.startswith(spike)]) == 3
-    # the stated regimes test the lr spike only; action noise and reward scale only as meant
-    assert len([k for k in v if k.startswith("PPO collapses irreversibly after action noise")]) == 1
-
-
-def test_rl_final_return_not_worse_is_non_inferiority():
-    t = _rl(True, True, n=40)
-    ppo = (t.learner == "ppo") & (t.pert_kind == "none")
-    t.loc[ppo, "final_return"] = t.loc[(t.learner == "sac") & (t.pert_kind == "none"), "final_return"].to_numpy() - 100
-    v = verdicts(rl_claims.claims_table(t, 2000.0))  # margin 0.25 * 2000 = 500 > 100 worse
-    assert find(v, "PPO's final return is not worse than SAC's") == "supported"
-    t.loc[ppo, "final_return"] -= 2000
-    v = verdicts(rl_claims.claims_table(t, 2000.0))
-    assert find(v, "PPO's final return is not worse than SAC's") == "not supported"
-
-
-def test_rl_runs_broken_before_the_event_are_left_out_of_the_rate():
-    comp = _rl(True, True, n=10)
-    ppo = comp.learner == "ppo"
-    comp.loc[ppo & (comp.pert_kind == "lr_spike"), ["collapsed", "pre_event_invalid"]] = [np.nan, True]
-    v = verdicts(rl_claims.claims_table(comp, 2000.0))
-    assert find(v, "PPO collapses irreversibly after a single learning-rate spike") == "not tested"
-    g = rl_runs.group_summary(comp).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
-    assert g.n == 0 and g.pre_event_invalid == 10
-
-
-def test_rl_summarize_separates_broken_runs_and_unobserved_drops():
-    """Diverged before the event: pre_event_invalid, in no rate; diverged after it: collapsed; a drop
-    at the last evaluations: no verdict; a run never hit has no recovery time (not 'recovered')."""
-    import xarray as xr
-
-    env = [0.0, 1000, 2000, 3000, 4000, 5000]
-    runs = {  # name: (perf, status); the event at env step 2500; NaN after a run stopped
-        "early": ([0.0, 100, np.nan, np.nan, np.nan, np.nan], "diverged"),
-        "late": ([0.0, 100, 200, 210, np.nan, np.nan], "diverged"),
-        "dip_at_end": ([0.0, 100, 200, 210, 205, -50], "ok"),
-        "steady": ([0.0, 100, 200, 210, 205, 208], "ok"),
-        "collapsed": ([0.0, 100, 200, 0, -10, -5], "ok"),
-    }
-    perf = np.array([v for v, _ in runs.values()])
-    envs = np.where(np.isfinite(perf), np.array(env), np.nan)
-    envs[0, 2] = 1500.0  # the early run stopped (diverged) at env step 1500, before the event
-    k = len(runs)
-    ds = xr.Dataset({"perf": (("run", "step"), perf)},
-                    coords={"run": list(runs), "env_step": (("run", "step"), envs), "learner": ("run", ["ppo"] * k),
-                            "seed": ("run", list(range(k))), "pert_kind": ("run", ["lr_spike"] * k),
-                            "pert_start": ("run", [2500.0] * k), "status": ("run", [s for _, s in runs.values()])})
-    t = rl_runs.summarize(ds, scale=200.0, min_evals_after=2).set_index("spec_hash")
-    assert t.collapse_state.to_dict() == {"early": "pre_event_invalid", "late": "diverged",
-                                          "dip_at_end": "unobserved", "steady": "no_drop", "collapsed": "collapsed"}
-    assert t.pre_event_invalid.tolist() == [True, False, False, False, False]
-    np.testing.assert_array_equal(t.collapsed.to_numpy(float), [np.nan, 1.0, np.nan, 0.0, 1.0])
-    assert np.isnan(t.loc["early", "stability"])
-    assert t.loc["steady", "recovery_state"] == "never_left" and np.isnan(t.loc["steady", "recovery_time"])
-    g = rl_runs.group_summary(t.reset_index()).iloc[0]
-    assert (g.n, g.pre_event_invalid, g.p_collapse) == (3, 1, pytest.approx(2 / 3))
+# -- notebook 01: tests/test_rl_outcomes.py (its claims are decided over prefixes) -------------
 
 
 # -- notebook 02 -------------------------------------------------------------------------
@@ -490,14 +351,6 @@ def test_precision_headroom_rows_summarise_each_seed():
         assert df.loc[[k for k in df.index if k.startswith(start)][0]].n == 3, start
     v = verdicts(precision.claims_table(a, b, rho, logit[logit.block_size == 64]))
     assert find(v, "a longer context") == "not tested"
-
-
-def test_rl_comparison_rows_keep_the_controls_and_each_kind_at_its_dose_only():
-    t = pd.DataFrame({"pert_kind": ["none", "lr_spike", "lr_spike", "action_noise", "reward_scale", "none"],
-                      "pert_dose": [1.0, 30.0, 100.0, 1.0, 30.0, 1.0],
-                      "noise_after_fork": ["same"] * 5 + [0.3]})
-    out = rl_runs.comparison_rows(t, {"lr_spike": 30.0, "action_noise": 1.0})
-    assert out.index.tolist() == [0, 1, 3]  # not x100, not a kind left out, not another noise knob
 
 
 def test_rl_first_last_returns_skip_rows_without_evaluations():

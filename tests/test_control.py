@@ -483,7 +483,11 @@ def test_rl_domain_grid_calibration_and_outcomes(tmp_store):
     assert out[out.event == "none"].first_action.isna().all()
     pert = out[out.event != "none"]  # each against the unperturbed uncontrolled fork of its prefix, same env steps
     # to the closing evaluation at the run's end (of the policy after the last update)
-    assert set(pert.state) <= {"collapsed", "recovered", "no_drop"} and (pert.window == 640 - 384).all()
+    assert (pert.window == 640 - 384).all()
+    # a verdict, or none because the reference gained nothing over its floor in 256 env steps (a few PPO rollouts)
+    judged = pert.state != "no_verdict"
+    assert set(pert.state[judged]) <= {"collapsed", "recovered", "no_drop"}
+    assert pert.reason[~judged].str.contains("no gain to lose").all()
     perf = ds.perf.where(np.isfinite(ds.perf))
     for run, r in pert[~pert.diverged].iterrows():
         t, c = (perf.sel(run=h).dropna("step") for h in (run, ref.index[ref.seed == r.seed][0]))

@@ -224,7 +224,7 @@ def test_unknown_env_and_hparam_raise_clear_errors():
         RunSpec("rl", "sac", "Pendulum-v1", 100, 0, hparams={"hiden": 3})
 
 
-def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
+def test_fork_and_stated_grids_and_the_run_table(tmp_path, monkeypatch):
     from stabstudy.learners.rl import forks
     from stabstudy.run.runner import run_grid
     from stabstudy.run.store import RunStore, load_runs
@@ -240,110 +240,54 @@ def test_fork_and_stated_grids_and_summary(tmp_path, monkeypatch):
     assert (ppo.start, ppo.duration, sac.start, sac.duration) == (384, 64, 240, 20)  # one rollout; 20 updates
     with pytest.raises(ValueError, match="multiple of n_steps"):
         design.fork_grid(["ppo"], [("none", 1.0)], [0], {"ppo": 250}, **kw)
+    # a prefix matched by return has its own length per seed
+    own = design.fork_grid(["sac"], [("none", 1.0)], [0, 1], {"sac": {0: 200, 1: 260}}, **kw)
+    assert [(s.seed, s.hp["prefix_steps"], s.steps) for s in own] == [(0, 200, 364), (1, 260, 424)]
     # the noise knob after the fork: left out where it equals the prefix's, so those forks are shared
     noisy = design.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": -1.0}, **kw)
     assert noisy[0] in specs
     assert design.fork_grid(["sac"], [("none", 1.0)], [0], {"sac": 200}, noise_after_fork={"sac": 0.5},
                            **kw)[0].get("noise_after_fork") == 0.5
-    stated, dropped = design.stated_grid(["ppo", "sac"], [0], {"ppo": 640, "sac": 200}, at=20, update=20, dose=30.0,
-                                        spike_updates=20, task="Pendulum-v1", hparams=hp)
-    starts = {r: sorted(s.perturbations[0].start for s in v if s.perturbations) for r, v in stated.items()}
-    # sac: learning_starts 50 + 20, and no update before 51 (env step 20 tests nothing there); ppo: SB3 counts
-    # n_epochs = 2 updates per rollout, so update 20 ends rollout 10, at the budget
-    assert starts == {"env step 20": [20], "update 20": [70]} and sorted(dropped) == ["ppo, update 20", "sac, env step 20"]
+    stated, dropped = design.stated_grid(["ppo", "sac"], {"ppo": [0], "sac": [0]}, {"ppo": 640, "sac": 200}, at=64,
+                                         update=20, dose=30.0, spike_updates=20, task="Pendulum-v1", hparams=hp)
+    # ppo: a spike at env step 64 (the first rollout end); SB3 counts n_epochs = 2 updates per rollout, so update 20
+    # ends rollout 10, at the budget; sac: update 20 comes at env step 70 (learning_starts 50), within one spike
+    # window (20 env steps) of env step 64: the same spike, run once
+    assert sorted((s.learner, s.perturbations[0].start) for s in stated) == [("ppo", 64), ("sac", 64)]
+    assert "does not end before the budget" in dropped["ppo, update 20"]
+    assert "the same spike" in dropped["sac, update 20"]
     store = RunStore(tmp_path / "runs")
     prefixes = forks.prefix_specs(specs)
     assert len(prefixes) == 4
     assert all(r.status == "ok" for r in run_grid(prefixes, scheduler="serial", store=store, progress=False))
     assert all(r.status == "ok" for r in run_grid(specs, scheduler="serial", store=store, progress=False))
-    pre = load_runs(prefixes, store=store)
-    untrained = {p.spec_hash: float(pre.sel(run=p.spec_hash).perf.dropna("step")[0]) for p in prefixes}
-    floors = {s.spec_hash: untrained[forks.prefix_key(s).spec_hash] for s in specs}
     ds = load_runs(specs, store=store)
     assert curves.eval_curves(ds).dims == ("run", "env_step")
-    table = runs.summarize(ds, floors=floors, scale=500.0)
+    table = runs.run_table(ds)
     assert len(table) == 8 and set(table.prefix_steps) == {256, 200} and (table.noise_after_fork == "same").all()
-    # an unperturbed fork is tested at its own learner's perturbation start
-    assert set(table[table.learner == "ppo"].event) == {384.0} and set(table[table.learner == "sac"].event) == {240.0}
-    decided = table.collapse_state != "unobserved"
-    assert table.collapsed[decided].isin([0.0, 1.0]).all() and table.collapsed[~decided].isna().all()
-    assert table.stability.dropna().between(0, 1).all() and (table.recovery_steps.dropna() >= 0).all()
-    eff = runs.paired_effects(table)
-    assert len(eff) == 2 and (eff.n <= 2).all() and "damage" in eff and "recovery_high" in eff
+    assert table.final_return.notna().all() and set(table.pert_kind) == {"none", "lr_spike"}
 
 
-def test_summary_of_a_run_does_not_depend_on_the_other_runs():
+def test_a_runs_final_return_does_not_depend_on_the_other_runs():
     """PPO evaluates at rollout ends, SAC / TD3 at t-1: on the union grid a run's 'last points'
     would include copies of its values at the other runs' env steps."""
-    def ds_of(runs):
-        n = max(len(r[1]) for r in runs)
-        perf, env = np.full((len(runs), n), np.nan), np.full((len(runs), n), np.nan)
-        for i, (_, e, p) in enumerate(runs):
+    def ds_of(rs):
+        n = max(len(r[1]) for r in rs)
+        perf, env = np.full((len(rs), n), np.nan), np.full((len(rs), n), np.nan)
+        for i, (_, e, p) in enumerate(rs):
             env[i, :len(e)], perf[i, :len(p)] = e, p
-        k = len(runs)
+        k = len(rs)
         return xr.Dataset({"perf": (("run", "step"), perf)},
-                          coords={"run": [r[0] for r in runs], "env_step": (("run", "step"), env),
+                          coords={"run": [r[0] for r in rs], "env_step": (("run", "step"), env),
                                   "learner": ("run", ["sac", "ppo"][:k]), "seed": ("run", [0] * k),
                                   "pert_kind": ("run", ["lr_spike"] * k), "pert_start": ("run", [2500.0] * k),
                                   "status": ("run", ["ok"] * k)})
 
     a = ("A", [0, 999, 1999, 2999, 3999, 4999], [0.0, 100.0, 200.0, 50.0, 60.0, 70.0])
     b = ("B", [0, 1024, 2048, 3072, 4096, 5120], [0.0, 10.0, 20.0, 30.0, 40.0, 50.0])
-    cols = ["pre_return", "final_return", "collapsed", "min_level", "max_drawdown", "recovery_time", "stability"]
-    alone = runs.summarize(ds_of([a]), scale=200.0).iloc[0][cols]
-    mixed = runs.summarize(ds_of([a, b]), scale=200.0).set_index("spec_hash").loc["A", cols]
-    assert alone.astype(float).tolist() == mixed.astype(float).tolist()
-    assert alone.pre_return == 100.0 and alone.final_return == 60.0 and alone.collapsed == 0.0  # 50 is not < 0.5 * 100
-
-
-def _table(p_ppo, p_off, kinds=("none", "lr_spike", "action_noise", "reward_scale"), n=4):
-    import pandas as pd
-
-    rows = []
-    for a in ("ppo", "sac", "td3"):
-        for k in kinds:
-            p = 0.0 if k == "none" else (p_ppo if a == "ppo" else p_off)
-            for i in range(n):
-                coll = float(i < round(p * n))
-                rows.append(dict(learner=a, pert_kind=k, seed=i, pert_dose=10.0, pre_return=1000.0 + i,
-                                 final_return=200.0 + i if coll else 1500.0 + 10 * i + (a == "ppo"),
-                                 stability=0.2 + 0.01 * i if coll else 0.9 - 0.01 * i, collapsed=coll, status="ok"))
-    return pd.DataFrame(rows)
-
-
-def test_group_summary_and_dose_response():
-    # the verdicts of claims_table are tested for, against and on missing data in test_claims_tables.py
-    g = runs.group_summary(_table(0.5, 0.0))
-    assert g.set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike"), "p_collapse"] == 0.5
-    # a run without a verdict (NaN) is in neither the fraction nor its denominator n
-    t = _table(0.5, 0.0)
-    t.loc[(t.learner == "ppo") & (t.pert_kind == "lr_spike") & (t.seed == 3), "collapsed"] = np.nan
-    row = runs.group_summary(t).set_index(["learner", "pert_kind"]).loc[("ppo", "lr_spike")]
-    assert row.n == 3 and row.p_collapse == pytest.approx(2 / 3)
-    per, crit = runs.dose_response(_table(0.5, 0.0)[lambda d: d.pert_kind == "lr_spike"], reps=20)
-    assert set(crit.learner) == {"ppo", "sac", "td3"}
-    assert crit.set_index("learner").loc["sac", "where"] == "above the grid"
-
-
-def test_critical_dose_with_bootstrap_interval_and_grid_brackets():
-    import pandas as pd
-
-    doses = [1.0, 3.0, 10.0, 30.0, 100.0, 300.0]
-    rows = [dict(learner=a, pert_dose=d, seed=i, collapsed=float(rule(d, i)))
-            for a, rule in (("ppo", lambda d, i: d >= 30 or (d == 10 and i == 0)), ("sac", lambda d, i: False),
-                            ("td3", lambda d, i: True))
-            for d in doses for i in range(3)]
-    crit, fits = runs.critical_doses(pd.DataFrame(rows), reps=200)
-    c = crit.set_index("learner")
-    assert c.loc["ppo", "where"] == "bracketed" and 10 <= c.loc["ppo", "dose"] <= 30
-    assert c.loc["ppo", "ci_low"] <= c.loc["ppo", "dose"] <= c.loc["ppo", "ci_high"] <= 30
-    assert c.loc["sac", "where"] == "above the grid" and c.loc["sac", "dose"] == np.inf == c.loc["sac", "ci_low"]
-    assert c.loc["td3", "where"] == "below the grid" and c.loc["td3", "dose"] == 0 == c.loc["td3", "ci_high"]
-    assert fits["ppo"].method == "logistic" and len(fits["ppo"].grid) == len(fits["ppo"].prob)
-    # outcomes separating perfectly between 3 and 10: the interval is the bracket, not the fitted point
-    sep = [dict(learner="ppo", pert_dose=d, seed=i, collapsed=float(d >= 10)) for d in doses for i in range(3)]
-    c = runs.critical_doses(pd.DataFrame(sep), reps=50)[0].iloc[0]
-    assert c["where"] == "bracketed" and (c.ci_low, c.ci_high) == (3.0, 10.0) and 3 < c.dose < 10
+    alone = runs.run_table(ds_of([a])).iloc[0]
+    mixed = runs.run_table(ds_of([a, b])).set_index("spec_hash").loc["A"]
+    assert alone.final_return == mixed.final_return == 60.0 and alone.spec_hash == "A"
 
 
 def test_reliability_table_groups_runs_and_measures_their_risk():
@@ -359,23 +303,6 @@ def test_reliability_table_groups_runs_and_measures_their_risk():
     assert t.loc["ppo", "dispersion_time"] > t.loc["sac", "dispersion_time"] == 0.0
     assert t.loc["ppo", "short_term_risk"] < t.loc["sac", "short_term_risk"]
     assert t.loc["ppo", "long_term_risk"] > t.loc["sac", "long_term_risk"]
-
-
-def test_paired_effects_compare_each_fork_with_its_own_seeds_control():
-    import pandas as pd
-
-    rows = []
-    for i in range(4):
-        base = 3000.0 + 500 * i  # seeds differ a lot; pairs remove that
-        rows.append(dict(learner="sac", seed=i, prefix_steps=100, noise_after_fork="same", pert_kind="none",
-                         pert_dose=np.nan, collapsed=0.0, final_return=base, post_return=base, recovery_steps=0.0))
-        rows.append(dict(learner="sac", seed=i, prefix_steps=100, noise_after_fork="same", pert_kind="lr_spike",
-                         pert_dose=30.0, collapsed=float(i == 0), final_return=base - 200 - i,
-                         post_return=base - 400, recovery_steps=1000.0 + i))
-    eff = runs.paired_effects(pd.DataFrame(rows)).iloc[0]
-    assert eff.n == 4 and eff.p_collapse == 0.25 and eff.damage == pytest.approx(-201.5)
-    assert eff.damage_high < 0 and eff.damage_p < 0.05 and eff.post_damage == pytest.approx(-400)
-    assert eff.recovery == pytest.approx(1001.5) and eff.damage_pairs == 4
 
 
 def test_log_every_thins_update_rows_but_keeps_records():

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from stabstudy.analysis.studies.rl import cost, curves, design, outcomes, power
+from stabstudy.analysis.studies.rl import cost, curves, design, outcomes
 from stabstudy.registry import arm_learner
 from stabstudy.spec import RunSpec
 
@@ -22,14 +22,6 @@ def test_an_arm_names_its_learner_and_a_bad_one_names_the_valid_learners():
     assert arm_learner("ppo") == "ppo" and arm_learner("ppo-tuned") == "ppo"
     with pytest.raises(ValueError, match="valid learners: ppo, sac"):
         arm_learner("pop-tuned")
-
-
-def test_the_horizon_is_rounded_to_the_fork_unit_and_a_learner_without_one_gets_its_prefix():
-    h = design.horizon_steps({"ppo": 1000.0, "sac": 77.4, "ppo-tuned": np.nan}, PREFIX, TINY)
-    assert h == {"ppo": 1024, "sac": 78, "ppo-tuned": 256}
-    # never shorter than the short window: a control reaches the end of every short fork of its prefix
-    assert design.horizon_steps({"ppo": 1000.0, "sac": 77.4}, {"ppo": 256, "sac": 200}, TINY,
-                              at_least={"ppo": 1500, "sac": 50}) == {"ppo": 1536, "sac": 78}
 
 
 def test_forks_to_h_end_at_event_plus_h_and_short_forks_after_their_window():
@@ -70,46 +62,77 @@ def test_a_tuned_variant_is_its_own_arm_with_its_own_prefixes_and_pairs():
 
 def _design(**kw):
     base = dict(algos=("ppo", "sac", "ppo-tuned"), seeds=(0, 1, 2), subset_seeds=(0,), subset_arms=("ppo-tuned",),
-                prefix_steps=PREFIX, fork_lead=KW["lead"], fork_post={"ppo": 128, "ppo-tuned": 128, "sac": 60},
-                fork_eval_every=KW["eval_every"], claim_dose=10.0, lr_doses=(3.0, 10.0, 30.0), task="Pendulum-v1",
-                action_noise_doses=(1.0,), reward_scale_doses=(), noise_levels={"sac": (-1.0, 0.0)},
-                noise_lead={"sac": 100}, spike_updates=20, env_pert_duration=64)
+                target_return=-300.0, prefix_cap={"ppo": 512, "ppo-tuned": 512, "sac": 400},
+                prefix_eval_every={"ppo": 64, "ppo-tuned": 32, "sac": 40}, horizon={"ppo": 600, "ppo-tuned": 600, "sac": 77},
+                fork_lead=KW["lead"], fork_post={"ppo": 128, "ppo-tuned": 128, "sac": 60},
+                fork_eval_every=KW["eval_every"], claim_dose=10.0, task="Pendulum-v1", lr_ramp_doses=(30.0,),
+                env_doses={"action_noise": 1.0}, noise_levels={"sac": (-1.0, 0.0)}, noise_lead={"sac": 100},
+                spike_updates=20, env_pert_duration=64)
     return design.ForkDesign.from_parameters({**base, **kw})
 
 
-def test_the_design_runs_the_control_and_the_claim_dose_to_h_and_the_rest_short():
+def test_h_is_rounded_to_the_fork_unit_and_never_shorter_than_a_short_forks_window():
     d = _design()
-    h = {"ppo": 640, "ppo-tuned": 640, "sac": 500}
-    g = d.grids(TINY, h)
-    arms = design.arms_of([s for v in g.values() for s in v], TINY)
-    to_h = pd.DataFrame([{"arm": arms[s.spec_hash], "seed": s.seed, "dose": s.perturbations[0].dose if s.perturbations else 1.0}
-                         for s in g["lr_spike to H"]])
-    assert sorted(to_h[to_h.arm == "ppo"].dose.unique()) == [1.0, 10.0] and set(to_h[to_h.arm == "ppo"].seed) == {0, 1, 2}
-    assert set(to_h[to_h.arm == "ppo-tuned"].seed) == {0}  # a subset arm runs on the subset seeds
-    assert {s.perturbations[0].dose for s in g["lr_spike short"]} == {3.0, 30.0}
-    assert all(s.steps == s.perturbations[0].start + d.window(arms[s.spec_hash], TINY[arms[s.spec_hash]])
-               for s in g["lr_spike short"])
-    assert {s.seed for s in g["action_noise"]} == {0} and not g["reward_scale"]
-    # the noise grid: the knob is set noise_lead before the spike; each level (the default, -1, among them)
-    # keeps its own control, apart from the main grid's (another event)
-    noise = g["noise"]
-    assert {s.get("noise_after_fork") for s in noise} == {-1.0, 0.0}
-    assert all(s not in g["lr_spike to H"] for s in noise)
-    assert {s.perturbations[0].start for s in noise if s.perturbations} == {200 + 100}
-    assert d.grids(TINY, h, lr_only=True)["noise"] == []
-    # the most the drop rule can add: every short fork of the grids, run on to H
-    up = d.upper_bound(g, h, arms)
-    assert len(up) == len(g["lr_spike short"]) + len(g["action_noise"]) + len([s for s in noise if s.perturbations])
-    with pytest.raises(ValueError, match="needs the parameters seeds"):
+    assert d.h("ppo", TINY["ppo"]) == 640 and d.lag("ppo", TINY["ppo"]) == 160.0
+    # SAC's 77 is shorter than its short window (the spike's 64 env steps and 60 after them)
+    assert d.h("sac", TINY["sac"]) == d.window("sac", TINY["sac"]) == 124
+    assert d.no_gain == 0.0
+    with pytest.raises(ValueError, match="needs the parameters seeds, target_return"):
         design.ForkDesign.from_parameters({"algos": ["ppo"]})
 
 
-def test_the_regimes_share_the_prefixes_they_do_not_change():
-    r = design.regimes({"ppo": 256, "sac": 200}, {"sac": 400})
-    assert r == {"return-matched": {"ppo": 256, "sac": 200}, "long prefixes": {"ppo": 256, "sac": 400}}
-    assert list(design.regimes({"ppo": 256})) == ["return-matched"]
-    with pytest.raises(ValueError, match="without a prefix: \\['td3'\\]"):
-        design.regimes({"ppo": 256}, {"td3": 1})
+def test_each_prefix_trains_to_the_target_and_its_forks_start_where_it_stopped():
+    d = _design()
+    m = d.match_specs(TINY)
+    assert {(s.learner, s.seed, s.steps, s.eval_every) for s in m if s.learner == "sac"} == {
+        ("sac", 0, 400, 40), ("sac", 1, 400, 40), ("sac", 2, 400, 40)}
+    assert all(s.hp["match_return"] == -300.0 and "prefix_steps" not in s.hp for s in m)
+    assert len(m) == 3 + 3 + 1  # ppo-tuned on the subset seeds
+    prefix = {"ppo": {0: 256, 1: 320, 2: 512}, "sac": {0: 120, 1: 200}, "ppo-tuned": {0: 96}}  # sac seed 2: not forked
+    g = d.first_forks(TINY, prefix)
+    assert {(s.learner, s.seed, s.hp["prefix_steps"]) for s in g["control"] if s.learner == "sac"} == {
+        ("sac", 0, 120), ("sac", 1, 200)}
+    arms = design.arms_of(g["control"], TINY)
+    ctrl = {(arms[s.spec_hash], s.seed): s for s in g["control"]}
+    assert ctrl[("ppo-tuned", 0)].hp["prefix_steps"] == 96
+    assert ctrl[("ppo", 0)].steps == 256 + 128 + 640 and not ctrl[("ppo", 0)].perturbations
+    spikes = g["lr_spike"]
+    assert {s.perturbations[0].dose for s in spikes} == {10.0}
+    assert all(s.steps == s.perturbations[0].start + d.window(s.learner, TINY[s.learner]) for s in spikes
+               if s.learner == "sac")
+    assert {s.seed for s in g["action_noise"]} == {0} and {s.perturbations[0].kind for s in g["lr_ramp"]} == {"lr_ramp"}
+    # the noise grid: the knob set noise_lead before the spike, each level its own control, apart from the main grid
+    noise = g["noise"]
+    assert {s.get("noise_after_fork") for s in noise} == {-1.0, 0.0}
+    assert {s.perturbations[0].start for s in noise if s.perturbations} == {120 + 100}
+    assert not set(noise) & set(g["control"])
+
+
+def test_a_prefixs_doses_step_down_after_a_collapse_and_up_after_none():
+    d = _design()
+    assert d.next_dose(10.0, 0, collapsed=True) == 3.16 and d.next_dose(10.0, 0, collapsed=False) == 31.6
+    assert d.next_dose(3.16, 1, collapsed=False) == 5.62 and d.next_dose(31.6, 1, collapsed=True) == 17.8
+    assert d.next_dose(5.62, 2, collapsed=True) is None  # two steps: three doses per prefix
+
+
+def test_the_claim_as_stated_reads_each_spiked_run_against_the_unperturbed_run_of_its_seed():
+    d = _design(stated_steps={"ppo": 512, "sac": 400}, stated_at=64, stated_update=20,
+                stated_hparams={"sac": {"learning_starts": 30}})
+    specs, dropped = d.stated(TINY)
+    spiked = [s for s in specs if s.perturbations]
+    assert {s.learner for s in spiked} == {"ppo", "sac"} and len(spiked) == 6  # the variant is not the claim's
+    assert all(s.perturbations[0].start == 64 and s.perturbations[0].dose == 10.0 for s in spiked)
+    controls = {(s.learner, s.seed): s for s in specs if not s.perturbations}
+    match = d.match_specs(TINY)
+    arms = design.arms_of(match, TINY)
+    ppo_prefix = {s.seed: s for s in match if arms[s.spec_hash] == "ppo"}
+    for s in spiked:
+        c = controls[(s.learner, s.seed)]
+        assert c.eval_every == s.eval_every
+        if s.learner == "ppo":  # trains as its prefix does: the prefix is its control, not run twice
+            assert c == ppo_prefix[s.seed]
+        else:  # its own learning_starts: an unperturbed fresh run of its own, the spiked run's twin
+            assert c == s.replace(perturbations=()) and s.hp["learning_starts"] == 30
 
 
 # -- the drop rule and the outcomes over what each fork ran -------------------------------------
@@ -139,32 +162,24 @@ def _curve(until, after=100.0, before=1000.0, drop_at=2000.0):
     return s, np.where(s < drop_at, before, after)
 
 
-def test_a_short_fork_that_dropped_below_its_control_is_run_on_and_others_are_not():
+def test_each_fork_is_judged_over_what_it_ran_and_a_short_one_that_dropped_says_so():
     ds, table = _runs({"ctrl": (*_curve(12000, after=1000.0), None, "ok"),
-                       "drop": (*_curve(5000), 30.0, "ok"),  # falls to 100 against 1000: dropped
+                       "drop+H": (*_curve(12000), 30.0, "ok"),  # ran on to H after it dropped
                        "fine": (*_curve(5000, after=950.0), 3.0, "ok"),  # stays near the control
                        "broke": (*_curve(2000), 100.0, "diverged"),  # stopped at the spike
+                       "late": (*_curve(5000, drop_at=4000.0), 10.0, "ok"),  # dropped, not run on
                        "blind": (STEPS[:1], np.array([1000.0]), 300.0, "ok")})  # no evaluation after the event
     kw = dict(floors={h: 0.0 for h in table.spec_hash}, prefix_of={h: "p0" for h in table.spec_hash})
-    short = outcomes.paired_table(ds, table, horizon={"ppo": 3000.0}, **kw)
-    assert dict(zip(short.spec_hash, short.state, strict=True)) == {"drop": "collapsed", "fine": "no_drop", "broke": "collapsed",
-                                                       "blind": "no_verdict"}
-    assert outcomes.dropped_forks(short, table) == ["drop"]  # diverged: at its floor anyway; no verdict: nothing to extend
-    assert outcomes.dropped_forks(short.iloc[:0], table) == []
-
-    # after the rule: the dropped fork ran on to H (a new run, "drop+H"); each fork is judged over what it ran
-    ds2, table2 = _runs({"ctrl": (*_curve(12000, after=1000.0), None, "ok"), "drop+H": (*_curve(12000), 30.0, "ok"),
-                         "fine": (*_curve(5000, after=950.0), 3.0, "ok"), "broke": (*_curve(2000), 100.0, "diverged"),
-                         "late": (*_curve(5000, drop_at=4000.0), 10.0, "ok")})  # dropped, never run on
-    kw2 = dict(floors={h: 0.0 for h in table2.spec_hash}, prefix_of={h: "p0" for h in table2.spec_hash})
-    out = outcomes.horizon_outcomes(ds2, table2, horizon={"ppo": 9000.0}, window={"ppo": 3000.0}, long={"drop+H"}, **kw2)
-    got = out.set_index("spec_hash")
-    assert got.loc["drop+H", "judged_over"] == "H" and got.loc["drop+H", "state"] == "collapsed"
-    assert got.loc["broke", "judged_over"] == "H" and got.loc["broke", "state"] == "collapsed"
-    assert got.loc["fine", "judged_over"] == "short window" and got.loc["fine", "state"] == "no_drop"
-    assert got.loc["fine", "collapsed"] == 0.0
-    assert got.loc["late", "state"] == "no_verdict" and np.isnan(got.loc["late", "collapsed"])
-    assert "not run on to H" in got.loc["late", "reason"]
+    out = outcomes.horizon_outcomes(ds, table, horizon={"ppo": 9000.0}, window={"ppo": 3000.0}, long={"drop+H"},
+                                    **kw).set_index("spec_hash")
+    assert out.loc["drop+H", "judged_over"] == "H" and out.loc["drop+H", "state"] == "collapsed"
+    assert out.loc["broke", "judged_over"] == "H" and out.loc["broke", "state"] == "collapsed"  # at its floor
+    assert out.loc["fine", "judged_over"] == "short window" and out.loc["fine", "state"] == "no_drop"
+    assert out.loc["fine", "collapsed"] == 0.0 and not out.loc["fine", "dropped"]
+    assert out.loc["late", "state"] == "no_verdict" and out.loc["late", "dropped"] and np.isnan(out.loc["late", "collapsed"])
+    assert "not run on to H" in out.loc["late", "reason"]
+    assert out.loc["blind", "state"] == "no_verdict" and not out.loc["blind", "dropped"]  # nothing to run on
+    assert not out.loc["broke", "dropped"] and not out.loc["drop+H", "dropped"]
 
 
 def test_a_short_fork_repeats_the_head_of_its_long_version_bit_for_bit(tmp_path, monkeypatch):
@@ -200,16 +215,16 @@ def test_update_2000_is_read_as_stable_baselines3_counts_updates():
 
 
 def test_the_claim_as_stated_drops_a_reading_it_cannot_test_and_says_why():
-    grids, dropped = design.stated_grid(["ppo", "sac"], [0], {"ppo": 512, "sac": 200}, at=64, update=20, dose=10.0,
-                                       spike_updates=20, task="Pendulum-v1", hparams=TINY)
-    starts = {r: sorted((s.learner, s.perturbations[0].start) for s in v if s.perturbations) for r, v in grids.items()}
-    assert starts == {"env step 64": [("ppo", 64), ("sac", 64)], "update 20": [("sac", 70)]}
+    specs, dropped = design.stated_grid(["ppo", "sac"], {"ppo": [0], "sac": [0]}, {"ppo": 512, "sac": 200}, at=64,
+                                        update=20, dose=10.0, spike_updates=20, task="Pendulum-v1", hparams=TINY)
+    assert sorted((s.learner, s.perturbations[0].start) for s in specs) == [("ppo", 64), ("sac", 64)]
     assert "does not end before the budget of 512" in dropped["ppo, update 20"]
+    assert "within one spike window" in dropped["sac, update 20"]  # env step 70 against 64: the same spike
     late = {"sac": {**TINY["sac"], "learning_starts": 150}}
-    grids, dropped = design.stated_grid(["sac"], [0], {"sac": 400}, at=64, update=20, dose=10.0, spike_updates=20,
-                                       task="Pendulum-v1", hparams=late)
-    assert not grids["env step 64"] and "no gradient update" in dropped["sac, env step 64"]
-    assert len(grids["update 20"]) == 2  # the control and the spiked run
+    specs, dropped = design.stated_grid(["sac"], {"sac": [0]}, {"sac": 400}, at=64, update=20, dose=10.0,
+                                        spike_updates=20, task="Pendulum-v1", hparams=late)
+    assert not specs and "no gradient update" in dropped["sac, env step 64"]
+    assert "not run" in dropped["sac, update 20"]  # update 20 at env step 170: another spike, not the design's
 
 
 # -- what the design costs -------------------------------------------------------------------------
@@ -235,17 +250,16 @@ def test_the_cost_of_a_design_counts_training_and_evaluation_per_learner():
         cost.worker_seconds({"a": [fork]}, rates={"ppo": 1.0})
 
 
-def test_the_plan_of_a_design_holds_its_prefixes_its_grids_and_the_most_the_rule_adds():
-    d = _design(long_prefix_steps={"sac": 400}, stated_steps={"ppo": 512, "sac": 300}, stated_at=64, stated_update=20)
-    # planning H (0.6 of the prefix) is within the return-matched regime's short windows here, not the long one's
-    assert {s.hp["prefix_steps"] for s in d.plan(TINY)["extensions (at most)"]} == {400}
-    plan = d.plan(TINY, horizon={"return-matched": {"ppo": 640, "ppo-tuned": 640, "sac": 500}})
-    pre = plan["prefixes"]
-    assert {(s.learner, s.steps) for s in pre} == {("ppo", 256), ("sac", 200), ("sac", 400)}
-    assert len(pre) == 3 + 3 + 1 + 3  # ppo, sac, ppo-tuned (subset), sac long
-    assert all(s.steps == s.hp["prefix_steps"] and not s.perturbations for s in pre)
-    assert {s.learner for s in plan["stated"]} == {"ppo", "sac"}  # the variant is not in the claim as stated
-    assert plan["extensions (at most)"] and not set(plan["extensions (at most)"]) & set(plan["lr_spike short"])
+def test_the_plan_of_a_design_holds_its_prefixes_its_forks_and_the_most_the_rule_adds():
+    d = _design(stated_steps={"ppo": 512, "sac": 300}, stated_at=64, stated_update=20)
+    plan = d.plan(TINY)
+    assert {(s.learner, s.steps) for s in plan["prefixes"]} == {("ppo", 512), ("sac", 400)}  # at their caps
+    assert len(plan["doses"]) == 2 * (3 + 3 + 1)  # two dose steps per prefix
+    assert {s.learner for s in plan["stated"]} == {"ppo", "sac"}
+    assert plan["extensions (at most)"] and not set(plan["extensions (at most)"]) & set(plan["lr_spike"])
+    assert all(s.perturbations[0].kind == "lr_spike" for s in plan["extensions (at most)"])
+    stopped = d.plan(TINY, {"ppo": {0: 256, 1: 256, 2: 256}, "sac": {0: 120, 1: 120, 2: 120}, "ppo-tuned": {0: 96}})
+    assert {s.steps for s in stopped["prefixes"]} == {256, 120, 96}
 
 
 def test_evaluation_spread_per_run():
@@ -269,14 +283,15 @@ def test_the_summary_over_prefixes_counts_prefixes_not_forks():
     assert outcomes.prefix_summary(pd.DataFrame(columns=["learner", "pert_kind", "pert_dose"])).empty
 
 
-def test_the_claim_as_stated_is_read_against_the_unperturbed_run_of_its_seed_at_the_budget():
+def test_the_claim_as_stated_is_read_against_the_unperturbed_run_of_its_seed_to_the_earlier_end():
     steps = np.arange(0, 10001, 1000.0)
-    ds, table = _runs({"ctrl": (steps, np.minimum(steps / 5, 1500.0), None, "ok"),
-                       "hit": (steps, np.where(steps < 2000, steps / 5, 50.0), 10.0, "ok")})
+    ds, table = _runs({"ctrl": (steps, np.minimum(steps / 5, 1500.0), None, "ok"),  # the matching prefix
+                       "hit": (steps[:9], np.where(steps[:9] < 2000, steps[:9] / 5, 50.0), 10.0, "ok")})  # budget 8000
     table["prefix_steps"] = 0
-    out = outcomes.stated_outcomes(ds, table)
-    assert len(out) == 1 and out.iloc[0].state == "collapsed" and out.iloc[0].horizon == 8000.0
-    assert out.iloc[0].prefix == "ppo seed 0" and out.iloc[0].damage == pytest.approx(50.0 - 1500.0)
+    out = outcomes.stated_outcomes(ds, table, lag_frac=0.25)
+    assert len(out) == 1 and out.iloc[0].state == "collapsed" and out.iloc[0].horizon == 6000.0
+    assert out.iloc[0].lag == 1500.0 and out.iloc[0].prefix == "ppo seed 0"
+    assert out.iloc[0].damage == pytest.approx(50.0 - (1200.0 + 1400.0 + 1500.0) / 3)  # the last three common points
     # without its control: no verdict, and says so
     alone = outcomes.stated_outcomes(ds.sel(run=["hit"]), table[table.spec_hash == "hit"])
     assert alone.iloc[0].state == "no_verdict" and alone.iloc[0].reason == "no paired control"
@@ -294,14 +309,11 @@ def test_the_standard_profile_is_quick_for_every_notebook_but_01_and_the_full_de
     assert all(q.get(k, {}) == st.get(k, {}) for k in (set(q) | set(st)) - {NB01})
     quick, standard = S.resolved_parameters(NB01, "quick"), S.resolved_parameters(NB01, "standard")
     assert quick["seeds"] == S.notebook_defaults(NB01)["seeds"] and quick["profile"] == "quick"
-    assert len(standard["seeds"]) >= 8 and standard["long_prefix_steps"] and standard["noise_levels"]
-    assert not quick["long_prefix_steps"] and not quick["noise_levels"]  # one regime, no claim (c) at quick
-    assert quick["claim_dose"] in quick["lr_doses"] and quick["eval_episodes"] >= 5
-    # quick's prefixes: each of claim (a)'s comparisons has power >= 0.8 at the planning rates 0.9 vs 0.1, both
-    # together >= 0.9 at 0.95 vs 0.05 (issue 26), and one prefix fewer would not
-    n, a = len(quick["seeds"]), 0.025
-    assert power.boschloo_power(0.9, 0.1, n, n, alpha=a) >= 0.8 > power.boschloo_power(0.9, 0.1, n - 1, n - 1, alpha=a)
-    assert power.boschloo_power(0.95, [0.05, 0.05], n, n, alpha=a) >= 0.9
+    assert len(standard["seeds"]) >= 8 and standard["env_doses"] and standard["noise_levels"]
+    assert not quick["env_doses"] and not quick["noise_levels"]  # no env-side kinds, no claim (c) at quick
+    assert quick["claim_dose"] == 10.0 and quick["eval_episodes"] >= 5 and quick["stated_steps"]
+    # the fresh runs of the claim as stated learn before the spike (their own learning_starts)
+    assert all(quick["stated_hparams"][a]["learning_starts"] < quick["stated_at"] for a in ("sac", "td3"))
 
 
 @pytest.mark.parametrize("profile", ["smoke", "quick", "standard", "paper"])
@@ -315,20 +327,11 @@ def test_every_profile_builds_a_valid_design(profile):
     hp = rl.algo_hparams(p["algos"], p["task"], common={k: p[k] for k in ("eval_episodes", "eval_max_steps", "monitor_every")},
                          per_algo=p["hparams"])
     plan = design.ForkDesign.from_parameters(p).plan(hp)
-    assert plan["prefixes"] and plan["lr_spike to H"]
+    assert plan["prefixes"] and plan["control"] and plan["lr_spike"]
     assert (cost.worker_seconds(plan).worker_s > 0).all()
 
 
-def test_bisection_forks_fork_each_prefix_at_its_own_doses_and_the_default_knob_reads_as_same():
-    d = _design()
-    prefix = RunSpec("rl", "sac", "Pendulum-v1", 200, 3, hparams={**TINY["sac"], "prefix_steps": 200})
-    doses = pd.DataFrame([{"learner": "sac", "prefix": prefix.spec_hash, "dose": 5.48},
-                          {"learner": "sac", "prefix": prefix.spec_hash, "dose": 5.48}])
-    (f,) = d.bisection_forks(TINY, doses, {prefix.spec_hash: prefix})
-    assert f.seed == 3 and f.perturbations[0].dose == 5.48 and f.steps == 240 + 64 + 60
-    from stabstudy.learners.rl import forks
-
-    assert forks.prefix_key(f) == prefix
+def test_the_default_knob_reads_as_same():
     t = pd.DataFrame({"learner": ["sac", "sac", "ppo"], "noise_after_fork": [-1.0, 0.0, "same"]})
     out = design.default_knob_as_same(t, {"sac": {"target_entropy": -1.0}, "ppo": {}})
     assert list(out.noise_after_fork) == ["same", 0.0, "same"]

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pandas as pd
-import pytest
 import xarray as xr
 
 from stabstudy.analysis.studies.rl import checks
@@ -17,11 +16,6 @@ def _run(env_steps, **channels):
                       coords={"step": np.arange(len(env_steps)), "env_step": ("step", np.asarray(env_steps))})
 
 
-def _dose_rows(learner, name, collapses_from):
-    return [{"learner": learner, "pert_kind": "lr_spike", "prefix": name, "pert_dose": d,
-             "collapsed_prefix": float(d >= collapses_from)} for d in GRID]
-
-
 def test_a_knob_that_did_not_change_the_policys_noise_is_caught():
     control = _run([100, 200, 300], ent_coef=[0.1, 0.1, 0.1])
     assert checks.knob_changed(_run([100, 200, 300], ent_coef=[0.3, 0.3, 0.3]), control, "sac", 300, lookback=250)[0] is True
@@ -32,60 +26,35 @@ def test_a_knob_that_did_not_change_the_policys_noise_is_caught():
     assert missing is False and "no ent_coef" in reason
 
 
-def _knob(prefix_from):
-    """prefix_critical_doses of prefixes p0.. that collapse from the given doses on."""
-    return O.prefix_critical_doses(pd.DataFrame([r for i, c in enumerate(prefix_from)
-                                                 for r in _dose_rows("ppo", f"p{i}", c)]))
-
-
-def test_the_paired_change_of_each_prefixs_critical_dose_counts_only_resolved_moves():
-    ch = O.knob_dose_changes(_knob([10, 10, 30, np.inf, 10]), _knob([100, np.inf, 30, np.inf, 3]))
-    assert list(ch.direction) == [1.0, 1.0, 0.0, 0.0, -1.0]  # up, up, same bracket, both above, down
-    assert ch.log10_change.iloc[0] == pytest.approx(np.log10(np.sqrt(3000) / np.sqrt(30)))
-    assert np.isnan(ch.log10_change.iloc[3])
-
-
-@pytest.mark.parametrize(("default", "raised", "verdict"), [
-    ([10] * 6, [100, np.inf, 100, np.inf, 100, 100], "supported"),
-    ([100, np.inf, 100, np.inf, 100, 100], [10] * 6, "not supported"),
-    ([10] * 6, [10, 10, 30, 10, 3, 30], "inconclusive"),
-])
-def test_claim_c_on_the_critical_dose(default, raised, verdict):
-    claim = rl_claims.noise_buffer_claim(O.knob_dose_changes(_knob(default), _knob(raised)), "ppo", "ent_coef")
-    assert claim.verdict == verdict and claim.n == 6 and "power" in claim.reason
-
-
 def test_claim_c_on_the_collapse_at_one_dose():
     def rows(collapsed):
         return pd.DataFrame([{"learner": "sac", "pert_kind": "lr_spike", "pert_dose": 30.0, "prefix": f"s{i}",
                               "collapsed_prefix": c} for i, c in enumerate(collapsed)])
     ch = O.knob_collapse_changes(rows([1, 1, 1, 1, 1, 1, 0]), rows([0, 0, 0, 0, 0, 0, 0]), 30.0)
     assert list(ch.direction) == [1, 1, 1, 1, 1, 1, 0]
-    claim = rl_claims.noise_buffer_claim(ch, "sac", "target_entropy", outcome="collapse", dose=30.0)
+    claim = rl_claims.noise_buffer_claim(ch, "sac", "target_entropy", dose=30.0)
     assert claim.verdict == "supported" and "collapse at x30" in claim.claim and "6 prefixes up" in claim.reason
     # collapsing at every knob level (the old x30 design): nothing can move, nothing is decided
-    flat = rl_claims.noise_buffer_claim(O.knob_collapse_changes(rows([1] * 7), rows([1] * 7), 30.0), "sac", "target_entropy",
-                                outcome="collapse", dose=30.0)
+    flat = rl_claims.noise_buffer_claim(O.knob_collapse_changes(rows([1] * 7), rows([1] * 7), 30.0), "sac",
+                                        "target_entropy", dose=30.0)
     assert flat.verdict == "inconclusive" and "no prefix resolved a change" in flat.reason
     few = rl_claims.noise_buffer_claim(O.knob_collapse_changes(rows([1, 1, 1]), rows([0, 0, 0]), 30.0), "sac", "t",
-                               outcome="collapse", dose=30.0)
+                                       dose=30.0)
     assert few.verdict == "inconclusive" and "smallest attainable p is 0.125" in few.reason
-    assert rl_claims.noise_buffer_claim(ch.iloc[:0], "sac", "t", outcome="collapse", dose=30.0).verdict == "not tested"
-    with pytest.raises(ValueError, match="critical dose, collapse"):
-        rl_claims.noise_buffer_claim(ch, "sac", "t", outcome="return")
+    assert rl_claims.noise_buffer_claim(ch.iloc[:0], "sac", "t", dose=30.0).verdict == "not tested"
 
 
 def test_claim_c_is_not_tested_when_the_knob_changed_nothing():
-    ch = O.knob_dose_changes(_knob([10] * 6), _knob([100] * 6))
+    ch = pd.DataFrame({"learner": "ppo", "prefix": [f"p{i}" for i in range(6)], "direction": 1.0})
     none_changed = pd.DataFrame({"learner": "ppo", "prefix": [f"p{i}" for i in range(6)], "changed": False,
                                  "reason": "the knob did not change policy_std before the spike (0.5 vs 0.5)"})
-    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=none_changed)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", dose=10.0, checks=none_changed)
     assert claim.verdict == "not tested" and "manipulation check failed" in claim.reason and "policy_std" in claim.reason
     some = none_changed.assign(changed=[True] * 5 + [False])
-    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=some)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", dose=10.0, checks=some)
     assert claim.verdict == "supported" and claim.n == 5 and "1 prefix(es) left out" in claim.reason
     unmeasurable = none_changed.assign(changed=None, reason="TD3's knob acts on behaviour")
-    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", checks=unmeasurable)
+    claim = rl_claims.noise_buffer_claim(ch, "ppo", "ent_coef", dose=10.0, checks=unmeasurable)
     assert claim.verdict == "supported" and "not measurable" in claim.reason
 
 

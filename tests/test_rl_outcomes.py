@@ -80,6 +80,45 @@ def test_a_run_that_diverged_at_the_spike_is_at_its_floor_after_it_never_its_pre
     assert res["state"] == "no_verdict" and np.isnan(res["damage"]) and "treated" in res["reason"]
 
 
+RISING = 100.0 + np.clip((STEPS - EVENT) / 5, 0, 2000)  # a control that learns fast from the event on
+
+
+def _shifted(values, by):
+    """``values`` (on STEPS) delayed by ``by`` env steps from the event on: paused at its event level."""
+    return np.where(STEPS < EVENT, values, np.interp(np.maximum(STEPS - by, EVENT), STEPS, values))
+
+
+def test_a_fork_that_trails_its_control_by_up_to_the_lag_is_not_collapsed_and_a_plateau_below_is():
+    control = curve(RISING)
+    # paused 6,000 env steps at the spike, then learns at the control's rate: 900 against 2,100 at the end of H
+    late = curve(_shifted(RISING, 6000.0))
+    assert O.paired_outcome(late, control, EVENT, H, floor=0.0, lag=6000.0)["state"] == "no_drop"
+    # without a lag the same fork reads as a collapse: it ends below half of the control's gain
+    assert O.paired_outcome(late, control, EVENT, H, floor=0.0)["state"] == "collapsed"
+    # one that falls back and stays below half of what its control had gained by then collapsed, lag or not
+    plateau = curve(np.where(STEPS < EVENT, RISING, 250.0))
+    res = O.paired_outcome(plateau, control, EVENT, H, floor=0.0, lag=6000.0)
+    assert res["state"] == "collapsed" and res["end_level"] < 0.5 and res["onset"] > EVENT
+    # ... and one that drops, then climbs back to within the lag, recovered
+    back = curve(np.where(STEPS < EVENT, RISING, np.where(STEPS < 9000, 0.0, _shifted(RISING, 6000.0))))
+    res = O.paired_outcome(back, control, EVENT, H, floor=0.0, lag=6000.0)
+    assert res["state"] == "recovered" and res["onset"] == EVENT and res["recovery_time"] == 4000.0
+
+
+def test_a_control_at_or_below_the_floor_has_no_gain_to_lose():
+    """The floor is the prefix's untrained return: a control that never rose above it (a prefix that
+    learned nothing, TD3's negative returns of the old design) cannot say how much a fork lost."""
+    flat = curve(np.full(STEPS.size, -100.0))
+    fork = curve(np.where(STEPS < EVENT, -100.0, -400.0))
+    for floor in (-100.0, 0.0):  # at, and above, the control
+        res = O.paired_outcome(fork, flat, EVENT, H, floor=floor, lag=2500.0, min_gain=50.0)
+        assert res["state"] == "no_verdict" and np.isnan(res["collapsed"]) and "no gain to lose" in res["reason"]
+        assert res["damage"] == pytest.approx(-300.0)  # the difference is still measured
+    # a control barely above the floor at the end: still none, below min_gain
+    assert O.paired_outcome(fork, curve(np.full(STEPS.size, -70.0)), EVENT, H, floor=-100.0,
+                            min_gain=50.0)["state"] == "no_verdict"
+
+
 def test_no_verdict_without_a_control_that_reaches_the_horizon():
     short = curve(CONTROL.values[:12], STEPS[:12])  # ends at 11000 < 15000
     res = O.paired_outcome(CONTROL, short, EVENT, H, floor=0.0)
@@ -137,22 +176,6 @@ def test_each_prefix_is_bracketed_and_censored_honestly():
     assert crit.loc["p4", "where"] == "no data" and np.isnan(crit.loc["p4", "dose"])
 
 
-def test_bisection_proposes_geometric_midpoints_inside_each_bracket_only():
-    rows = pd.DataFrame(_dose_rows("sac", "s0", 30.0) + _dose_rows("sac", "s1", np.inf) + _dose_rows("ppo", "p0", 3.0))
-    one = O.bisection_doses(rows)
-    assert list(one.columns) == ["learner", "prefix", "dose", "low", "high", "where"]
-    assert dict(zip(one.prefix, one.dose, strict=True)) == {"s0": 17.3, "p0": 1.73}  # s1 is above the grid: none
-    two = O.bisection_doses(rows, points=2)
-    assert list(two[two.prefix == "s0"].dose) == [14.4, 20.8]
-    # the second round bisects the bracket the first one left: s0 collapsed at 17.3 -> (10, 17.3]
-    after = pd.concat([rows, pd.DataFrame(_dose_rows("sac", "s0", 17.3, doses=(17.3,)))])
-    nxt = O.bisection_doses(after)
-    assert nxt[nxt.prefix == "s0"].dose.tolist() == [13.2]
-    crit = O.prefix_critical_doses(after).set_index("prefix")
-    assert (crit.loc["s0", "low"], crit.loc["s0", "high"]) == (10.0, 17.3)
-    assert O.bisection_doses(rows.iloc[:0]).empty
-
-
 def test_the_critical_dose_also_as_the_policy_change_it_caused():
     rows = pd.DataFrame(_dose_rows("sac", "s0", 30.0) + _dose_rows("sac", "s1", 3.0))
     changes = pd.DataFrame([{"learner": "sac", "prefix": p, "pert_kind": k, "pert_dose": d, "update_path": v}
@@ -165,43 +188,63 @@ def test_the_critical_dose_also_as_the_policy_change_it_caused():
     assert crit.loc["s1", "change_low"] == 0.5 and crit.loc["s1", "change_at_dose"] == pytest.approx(1.0)  # the control's
 
 
-def _arms(ppo_from, sac_from, td3_from):
-    rows = []
-    for a, starts in (("ppo", ppo_from), ("sac", sac_from), ("td3", td3_from)):
-        for i, c in enumerate(starts):
-            rows += _dose_rows(a, f"{a}{i}", c)
-    return O.prefix_critical_doses(pd.DataFrame(rows))
+def _crit(**arms):
+    """prefix_critical_doses-like rows: per arm, one (low, high] bracket per prefix."""
+    return pd.DataFrame([{"learner": a, "prefix": f"{a}{i}", "low": lo, "high": hi,
+                          "dose": np.sqrt(lo * hi) if np.isfinite(hi) else np.inf}
+                         for a, brackets in arms.items() for i, (lo, hi) in enumerate(brackets)])
+
+
+LOW = [(1.0, 1.78), (1.78, 3.16), (3.16, 5.62), (1.78, 3.16), (3.16, 5.62), (1.0, 1.78)]  # x1-x6: PPO's fragile prefixes
+HIGH = [(56.2, np.inf), (31.6, 56.2), (56.2, np.inf), (17.8, 31.6), (56.2, np.inf), (31.6, 56.2)]  # x18-x56 and above
+SAME = [(3.16, 5.62), (5.62, 10.0), (3.16, 5.62), (5.62, 10.0), (3.16, 5.62), (5.62, 10.0)]
+
+
+def _joint(rows):
+    return rl_claims.joint("every comparison holds", rl_claims.adjusted(rows), ("sac", "td3"), test="", family="j")
 
 
 @pytest.mark.parametrize(("arms", "joint"), [
-    (([3, 10, 10, 10, 30, 10], [100, np.inf, np.inf, 30, 100, np.inf], [np.inf, 100, 100, np.inf, 30, 100]), "supported"),
-    (([3, 10, 10, 10, 30, 10], [100, np.inf, np.inf, 30, 100, np.inf], [3, 10, 10, 30, 10, 3]), "inconclusive"),
-    (([np.inf, 100, np.inf, 100, 100, 30], [3, 10, 3, 10, 10, 3], [3, 10, 10, 3, 3, 10]), "not supported"),
+    (dict(ppo=LOW, sac=HIGH, td3=HIGH), "supported"),
+    (dict(ppo=HIGH, sac=LOW, td3=LOW), "not supported"),  # opposite
+    (dict(ppo=LOW, sac=HIGH, td3=LOW), "inconclusive"),  # TD3 as PPO, but the brackets spread too wide to show x2
 ])
-def test_the_critical_dose_claim_is_decided_over_prefixes(arms, joint):
-    rows = rl_claims.critical_dose_claims(_arms(*arms), sims=100)
-    assert rows[-1].verdict == joint and len(rows) == 3
-    assert all("power" in r.reason for r in rows[:2]) and all(r.n == 12 for r in rows[:2])
-    if joint == "supported":
-        assert "least favourable" in rows[0].reason and rows[1].effect == pytest.approx(np.log10(np.sqrt(30) / np.sqrt(3000)))
+def test_the_critical_dose_claim_is_decided_over_prefixes_at_the_least_favourable_ends(arms, joint):
+    rows = rl_claims.critical_dose_claims(_crit(**arms), sims=50, family="b")
+    assert _joint(rows).verdict == joint and len(rows) == 2
+    assert all(r.power is not None and r.family == "b" and r.n == 12 for r in rows)
+    assert all("least favourable" in r.reason and "within x2" in r.reason for r in rows)
+    sup, nsup = rows[0].power(0.025, 1.0)  # the rule's own sequence of doses, simulated
+    assert 0 <= nsup <= 1 and sup > 0.2
+
+
+def test_a_critical_dose_within_a_factor_of_two_is_not_supported_with_enough_prefixes():
+    same = [(3.16, 5.62)] * 12  # every prefix bracketed alike: at most a factor 5.62 / 3.16 = 1.78 apart
+    rows = rl_claims.critical_dose_claims(_crit(ppo=same, sac=same, td3=same), sims=10)
+    assert rows[0].verdict == _joint(rows).verdict == "not supported"
+    # a bracket just above PPO's: lower by a factor between 1 and 3.2, which the brackets cannot tell from 2
+    above = [(5.62, 10.0)] * 12
+    assert _joint(rl_claims.critical_dose_claims(_crit(ppo=same, sac=above, td3=above), sims=10)).verdict == "inconclusive"
+    # a whole decade apart: supported
+    far = [(31.6, 56.2)] * 12
+    assert _joint(rl_claims.critical_dose_claims(_crit(ppo=same, sac=far, td3=far), sims=10)).verdict == "supported"
+    # the same brackets as an absolute lr or a policy change: exploratory rows, no verdict in the table
+    crit = _crit(ppo=same, sac=far, td3=far).assign(lr_low=1e-3, lr_high=2e-3)
+    assert not any(r.confirmatory for r in rl_claims.critical_dose_claims(crit, value="lr", sims=10))
 
 
 def test_the_critical_dose_claim_without_enough_prefixes_says_why():
-    crit = _arms([3, 10, 10], [100, np.inf, np.inf], [np.inf, 100, 100])
-    rows = rl_claims.critical_dose_claims(crit, sims=50)
-    # 3 vs 3 completely separated: p = 1/20 = 0.05, never below 0.025 (alpha split over two comparisons)
-    assert rows[0].verdict == "inconclusive" and "smallest attainable p is 0.05" in rows[0].reason
-    assert "power 0.00" in rows[0].reason
-    assert rl_claims.critical_dose_claims(crit[crit.learner != "sac"], sims=10)[0].verdict == "not tested"
-    assert rl_claims.critical_dose_claims(_arms([3, 10], [100, 100], [100, 100]), sims=10)[0].verdict == "inconclusive"
-    spiked = rl_claims.critical_dose_claims(_arms([3] * 6, [np.inf] * 6, [np.inf] * 6), spiked={"ppo": 40, "sac": 0, "td3": 40},
-                                    sims=10)
+    rows = rl_claims.critical_dose_claims(_crit(ppo=LOW[:2], sac=HIGH[:2], td3=HIGH[:2]), sims=10)
+    assert rows[0].verdict == "inconclusive" and "fewer than 3" in rows[0].reason and np.isnan(rows[0].p_for)
+    assert rl_claims.critical_dose_claims(_crit(ppo=LOW, td3=HIGH), sims=10)[0].verdict == "not tested"
+    spiked = rl_claims.critical_dose_claims(_crit(ppo=LOW, sac=HIGH, td3=HIGH), spiked={"ppo": 40, "sac": 0, "td3": 40},
+                                            sims=10)
     assert spiked[0].verdict == "not tested" and "no update of SAC" in spiked[0].reason
     assert spiked[1].verdict == "supported"
     with pytest.raises(ValueError, match="dose, lr, change_at_dose"):
-        rl_claims.critical_dose_claims(crit, value="kl")
+        rl_claims.critical_dose_claims(_crit(ppo=LOW), value="kl")
     with pytest.raises(ValueError, match="base_lrs"):
-        rl_claims.critical_dose_claims(crit, value="lr")
+        rl_claims.critical_dose_claims(_crit(ppo=LOW), value="lr")
 
 
 def test_forks_of_one_prefix_give_one_critical_dose():
@@ -214,14 +257,9 @@ def test_forks_of_one_prefix_give_one_critical_dose():
     assert rows[0].n == 2 and rows[0].verdict == "inconclusive"  # 1 vs 1 prefix, not 8 vs 8 forks
 
 
-def test_the_rank_test_ranks_above_the_grid_last_and_is_exact_for_few_prefixes():
+def test_the_rank_test_ranks_above_every_dose_last_and_is_exact_for_few_prefixes():
     assert stats.rank_test_p([3.0, 5.5, 17.3], [np.inf, np.inf, 54.8], "less") == pytest.approx(1 / 20)
     assert stats.rank_test_p([np.inf] * 3, [np.inf] * 3, "less") == 1.0
-    low, high = [3.0, 5.5, 17.3, 17.3], [54.8, np.inf, np.inf, 54.8]
-    assert rl_claims.critical_dose_claim("lower", "our own", low, high).verdict == "supported"
-    assert rl_claims.critical_dose_claim("lower", "our own", high, low).verdict == "not supported"
-    assert rl_claims.critical_dose_claim("lower", "our own", low[:2], high).verdict == "inconclusive"
-    assert rl_claims.critical_dose_claim("lower", "our own", [], high).verdict == "not tested"
 
 
 def _run(env_steps, **channels):
@@ -277,22 +315,36 @@ def _prefix_rows(rates):
 
 @pytest.mark.parametrize(("rates", "joint"), [
     ({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}, "supported"),
-    ({"ppo": (8, 8), "sac": (0, 8), "td3": (7, 8)}, "inconclusive"),
+    ({"ppo": (4, 8), "sac": (1, 8), "td3": (1, 8)}, "inconclusive"),  # neither shown, nor a difference under 0.5
+    ({"ppo": (6, 8), "sac": (0, 8), "td3": (6, 8)}, "not supported"),  # TD3 collapses as often
     ({"ppo": (0, 8), "sac": (8, 8), "td3": (0, 8)}, "not supported"),
     ({"ppo": (0, 0), "sac": (0, 0), "td3": (0, 0)}, "not tested"),
 ])
 def test_the_headline_claim_is_decided_over_prefixes_with_its_power(rates, joint):
-    rows = rl_claims.collapse_at_dose_claims(_prefix_rows(rates), 10.0)
-    assert rows[-1].verdict == joint and len(rows) == 3
+    rows = rl_claims.collapse_at_dose_claims(_prefix_rows(rates), 10.0, family="a")
+    assert _joint(rows).verdict == joint and len(rows) == 2 and {r.family for r in rows} == {"a"}
     if rates["ppo"][1]:
-        assert all("power" in r.reason for r in rows[:2])
+        assert all(r.sesoi == rl_claims.SESOI_RATE and r.power is not None for r in rows)
+        sup, nsup = rows[0].power(0.0125, 1.0)
+        assert sup > 0.3 and nsup > 0.3  # both ways, at 8 prefixes per arm and the family's level
+
+
+def test_a_family_of_four_is_adjusted_together_and_unmatched_prefixes_are_said():
+    rates = {"ppo": (5, 6), "sac": (1, 6), "td3": (0, 6)}
+    rows = rl_claims.collapse_at_dose_claims(_prefix_rows(rates), 10.0, family="h", unmatched={"td3": 2})
+    assert "TD3: 2 prefixes unmatched" in rows[1].reason
+    alone = rl_claims.adjusted(rows)
+    four = rl_claims.adjusted(rows + rl_claims.critical_dose_claims(_crit(ppo=LOW, sac=HIGH, td3=HIGH), sims=10, family="h"))
+    assert four[0].p_for >= alone[0].p_for >= rows[0].p_for  # Holm over four comparisons, not two
+    table = C.table(rows + [_joint(rl_claims.adjusted(rows))])
+    assert table.verdict.iloc[-1] == _joint(alone).verdict  # the joint row is not adjusted again
 
 
 def test_a_learner_the_spike_reached_no_update_of_is_not_tested():
     rows = rl_claims.collapse_at_dose_claims(_prefix_rows({"ppo": (8, 8), "sac": (0, 8), "td3": (0, 8)}), 10.0,
-                                     spiked={"ppo": 20, "sac": 0, "td3": 40})
-    assert rows[0].verdict == "not tested" and "no update of SAC" in rows[0].reason
-    assert rows[1].verdict == "supported" and rows[2].verdict == "inconclusive"
+                                             spiked={"ppo": 20, "sac": 0, "td3": 40}, family="a")
+    assert rows[0].verdict == "not tested" and "no update of SAC" in rows[0].reason and rows[0].family == "a"
+    assert rows[1].verdict == "supported" and _joint(rows).verdict == "inconclusive"
 
 
 def test_forks_at_different_knobs_are_never_pooled_into_one_prefix_row():

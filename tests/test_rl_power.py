@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from stabstudy.analysis import stats
-from stabstudy.analysis.studies.rl import design
 from stabstudy.analysis.studies.rl import power as D
 
 
@@ -38,27 +37,27 @@ def test_power_rejects_impossible_inputs(kw, match):
         D.boschloo_power(**args)
 
 
-def test_geometric_points_split_a_bracket_in_equal_log_steps():
-    assert design.geometric_points(10.0, 30.0) == [17.3]
-    assert design.geometric_points(3.0, 10.0, 2) == [4.48, 6.69]
-    with pytest.raises(ValueError, match="0 < low < high"):
-        design.geometric_points(30.0, 10.0)
+def test_the_design_measures_a_critical_dose_by_its_sequence_of_doses():
+    low, high = D.measured_bracket([2.0, 12.0, 500.0, 0.5, 10.0])
+    # 2: x10 collapsed -> 3.16 collapsed -> 1.78 survived: (1.78, 3.16]; 12: x10 survived -> 31.6 collapsed -> 17.8;
+    # 500: survived 10, 31.6, 56.2: above every dose; 0.5: collapsed at 10, 3.16, 1.78: (1, 1.78] (the control: 1)
+    np.testing.assert_allclose(low, [1.78, 10.0, 56.2, 1.0, 5.62])
+    np.testing.assert_allclose(high, [3.16, 17.8, np.inf, 1.78, 10.0])
+    # never forked above a dose it collapsed at
+    lo, hi = D.measured_bracket([9.0], start=10.0, steps=(0.5, 0.25, 0.125))
+    assert (lo[0], hi[0]) <= (9.0, 10.0) and lo[0] < 9.0 <= hi[0]
 
 
-def test_the_design_measures_a_critical_dose_as_its_bisected_bracket():
-    got = D.measured_critical_dose([2.0, 12.0, 500.0], bisections=2)
-    # 2 in (1, 3] -> (1.73, 3] -> (1.73, 2.28]; 12 in (10, 30] -> (10, 17.3] -> (10, 13.2]
-    np.testing.assert_allclose(got, [np.sqrt(1.73 * 2.28), np.sqrt(10 * 13.2), np.inf])
-    assert D.measured_critical_dose([12.0], bisections=0)[0] == pytest.approx(np.sqrt(300))
-
-
-def test_critical_dose_power_grows_with_prefixes_and_is_zero_where_no_outcome_can_decide():
+def test_the_critical_dose_rule_has_power_where_the_doses_differ_and_decides_neither_way_by_chance():
     assert stats.smallest_p(3, 3) == pytest.approx(0.05)
-    assert D.critical_dose_power(3, 3, alpha=0.025) == 0.0  # 1/20 can never be below 0.025
-    p4 = D.critical_dose_power(4, 4, alpha=0.025, sims=200)
-    p8 = D.critical_dose_power(8, 8, alpha=0.025, sims=200)
+    assert D.critical_dose_power(3, 3, alpha=0.025) == {"supported": 0.0, "not supported": 0.0}  # 1/20 > 0.025
+    p4 = D.critical_dose_power(4, 4, alpha=0.025, sims=200)["supported"]
+    p8 = D.critical_dose_power(8, 8, alpha=0.025, sims=200)["supported"]
     assert 0 < p4 < p8 and p8 > 0.8
-    assert D.critical_dose_power(8, 8, medians=(20.0, 20.0), alpha=0.025, sims=200) < 0.1  # no difference
+    same = D.critical_dose_power(8, 8, medians=(20.0, 20.0), alpha=0.025, sims=200)
+    assert same["supported"] < 0.1
+    tight = D.critical_dose_power(12, 12, medians=(20.0, 20.0), sd=0.05, alpha=0.025, sims=100)
+    assert tight["not supported"] > 0.5  # equal doses, little spread: within x2 is shown
 
 
 def test_sign_test_power_is_exact():

@@ -189,6 +189,34 @@ def forks_of(specs: Sequence[RunSpec], learner: str, events: Sequence[Sequence[A
     return out
 
 
+def prefixes_of(prefixes: Sequence[RunSpec], forks: Sequence[RunSpec]) -> dict[int, RunSpec]:
+    """Seed -> the prefix among ``prefixes`` (notebook 01's matching prefixes, its manifest's group
+    ``prefixes``) that the ``forks`` of that seed continue: same learner, hyperparameters (less the
+    matching target) and seed. ``ValueError`` naming the seeds without one."""
+    out = {}
+    for f in forks:
+        hit = [p for p in prefixes if p.learner == f.learner and p.seed == f.seed
+               and {k: v for k, v in _arm(p.hp).items() if k != "match_return"} == _arm(f.hp)]
+        if len(hit) == 1:
+            out[f.seed] = hit[0]
+    missing = sorted({f.seed for f in forks} - set(out))
+    if missing:
+        raise ValueError(f"no prefix of seeds {missing} among notebook 01's prefixes for {forks[0].learner}")
+    return out
+
+
+def clipped(specs: Sequence[RunSpec], length: int) -> list[RunSpec]:
+    """Each fork of ``specs`` ending ``length`` env steps after its fork point (rounded up to its fork
+    unit) where it ran longer: a controlled twin need not run to notebook 01's H when every pair is
+    judged over the short window."""
+    out = []
+    for s in specs:
+        unit = design.fork_unit(s.learner, s.hp)
+        end = -(-(int(s.hp["prefix_steps"]) + int(length)) // unit) * unit
+        out.append(s.replace(steps=min(s.steps, end)))
+    return out
+
+
 def with_controllers(specs: Sequence[RunSpec], controllers: Sequence[str], thresholds: dict[str, float] | None, *,
                      controller_hp: dict[str, Any] | None = None,
                      per_controller: dict[str, dict[str, Any]] | None = None) -> list[RunSpec]:
@@ -374,19 +402,19 @@ def outcomes(ds: xr.Dataset, table: pd.DataFrame, *, collapse_excess: dict[str, 
 
 
 def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: dict[str, float],
-                horizon: float = math.inf, frac: float = 0.5, recover_frac: float = 0.8, final_points: int = 3,
-                min_after: int = 2) -> pd.DataFrame:
+                horizon: float = math.inf, frac: float = 0.5, lag_frac: float = 0.0, final_points: int = 3,
+                min_after: int = 2, min_gain: float = 1e-8) -> pd.DataFrame:
     """:func:`outcomes` for an RL domain: every run of ``table`` against the unperturbed uncontrolled
     fork of its prefix (the reference), both read at the same env steps
-    (:func:`.rl.outcomes.paired_outcome` with ``floors``, ``frac``, ``recover_frac``, ``final_points``,
-    ``min_after``) from the event (an unperturbed run: from the fork) over ``horizon`` env steps or
+    (:func:`.rl.outcomes.paired_outcome` with ``floors``, ``frac``, ``final_points``, ``min_after``,
+    ``min_gain``, and a lag of ``lag_frac`` of the window) from the event (an unperturbed run: from the fork) over ``horizon`` env steps or
     to the end of the pair's evaluations, whichever is shorter (``window``); a run that diverged is
     at its floor after it stopped. ``collapse``: diverged, or collapsed in that window (NaN: no
     verdict, with ``reason``); ``damage``: the return lost against the reference over its last
     ``final_points`` common evaluations, as a fraction of ``scale`` (larger is worse, as the
     losses' nats); ``final``: the mean of the last evaluation returns (NaN when diverged), for the
     intrusiveness test; ``recovery`` in env steps; steps are updates (rows)."""
-    summ = runs.summarize(ds, scale=scale, floors=floors, final_points=final_points).set_index("spec_hash")
+    summ = runs.run_table(ds, final_points=final_points).set_index("spec_hash")
     index = {str(h): i for i, h in enumerate(ds.run.values)}
     ref = table[(table.controller == "none") & (table.event == "none")]
     ref_of = {(r.domain, r.prefix or r.seed): i for i, r in ref.iterrows()}
@@ -407,7 +435,8 @@ def rl_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, scale: float, floors: di
         window = min(float(horizon), min(float(e[-1]) if e.size else -math.inf for e in ends) - event)
         stop = curves.stop_env_step(ds, index[run]) if diverged else None
         po = rl_paired.paired_outcome(curve, rcurve, event, window, floor=float(floors.get(run, np.nan)), diverged_at=stop,
-                               frac=frac, recover_frac=recover_frac, final_points=final_points, min_after=min_after)
+                               frac=frac, lag=lag_frac * window, final_points=final_points, min_after=min_after,
+                               min_gain=min_gain)
         if run == h0:  # the reference itself: nothing to compare (its level against itself is 1 only above its floor)
             po = {**po, "state": "reference", "collapsed": 0.0, "damage": 0.0, "reason": ""}
         collapse = 1.0 if diverged else po["collapsed"]

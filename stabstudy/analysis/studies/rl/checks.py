@@ -13,12 +13,13 @@ claim ``not tested``, with the reason):
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import numpy as np
 import pandas as pd
 import xarray as xr
 
-from stabstudy.analysis.claims import Claim, not_tested
+from stabstudy.analysis.claims import Claim
 from stabstudy.analysis.studies.rl.outcomes import CONTROL_DOSE
 
 #: Per-update count names of :func:`spiked_updates`: ``updates`` is the primary optimizer's (off-policy the
@@ -127,11 +128,12 @@ def policy_change_table(ds: xr.Dataset, rows, *, duration: Mapping[str, float], 
 
 
 def checked(claim: Claim, ok: bool, reason: str) -> Claim:
-    """``claim`` when its manipulation check passed (``ok``), else ``not tested`` with ``reason``:
-    a perturbation that changed nothing tests nothing, whatever the outcome."""
+    """``claim`` when its manipulation check passed (``ok``), else ``not tested`` with ``reason`` (its family and
+    smallest effect kept): a perturbation that changed nothing tests nothing, whatever the outcome."""
     if ok:
         return claim
-    return not_tested(claim.claim, claim.source, f"manipulation check failed: {reason}", n=claim.n)
+    return replace(claim, verdict="not tested", reason=f"manipulation check failed: {reason}", p_for=np.nan,
+                   p_against=np.nan, power=None)
 
 
 #: The channel that shows each learner's own noise knob acting on its policy.

@@ -1,20 +1,23 @@
-"""Notebook 01's design: which forks run, how long, at which doses, and the horizon H.
+"""Notebook 01's design: which prefixes and forks run, how long, and at which doses.
 
-Every arm (a learner, or a variant such as ``ppo-tuned``: :func:`stabstudy.registry.arm_learner`)
-trains one prefix per seed; forks of it are read against the paired control (the unperturbed fork of
-the same prefix) over a horizon H that the prefixes' own learning curves set (:func:`horizons`). The
-control and the forks at the claim's dose run to their event + H (:class:`ForkDesign`); every other
-fork runs a short window first and is run on to H (:func:`to_horizon`) only when its return dropped
-below the control's there: the long run repeats the short one bit for bit (same checkpoint, seed and
-spec up to its length), so only the forks that need H pay for it. Which forks run in which round is
-:class:`stabstudy.analysis.studies.rl.plan.ForkPlan`. The claim as stated (:func:`stated_grid`) is a
-spike early in a fresh run.
+Every arm (a learner, or a variant such as ``ppo-tuned``: :func:`stabstudy.registry.arm_learner`) trains
+one prefix per seed until its evaluation return reaches a target fixed before the runs
+(:meth:`ForkDesign.match_specs`), so that the algorithms are compared at the same return, not after the
+same number of env steps. Forks of a prefix are read against its control (the unperturbed fork of the
+same prefix) over a horizon H fixed before the runs (:meth:`ForkDesign.h`). The control runs to its
+event + H; every perturbed fork runs a short window first and is run on to H (:func:`to_horizon`) only
+when its return dropped below the control's there: the long run repeats the short one bit for bit (same
+checkpoint, seed and spec up to its length), so only the forks that need H pay for it. The lr-spike
+doses of each prefix come one at a time (:meth:`ForkDesign.next_dose`); which forks run in which round
+is :class:`stabstudy.analysis.studies.rl.plan.ForkPlan`. The claim as stated (:func:`stated_grid`) is a
+spike early in a fresh run. :func:`horizons` measures how long the prefixes took to learn (printed beside
+the H the design fixed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -77,30 +80,15 @@ def env_step_of_update(learner: str, hp: Mapping[str, Any], update: int) -> int:
     return first + (-(-int(update) // g) - 1) * f
 
 
-def horizon_steps(horizon: Mapping[str, float], prefix: Mapping[str, int], hparams: Mapping[str, Mapping[str, Any]],
-                  at_least: Mapping[str, int] | None = None) -> dict[str, int]:
-    """Each arm's horizon H (env steps after the event, :func:`horizons`)
-    rounded up to its :func:`fork_unit`, so that a fork running to event + H ends where a fork may end.
-    An arm whose prefixes gained nothing has no horizon (NaN): it gets its prefix length, the
-    longest an H measured on that prefix could be. ``at_least`` (per arm, e.g. the short window,
-    :meth:`ForkDesign.window`): no H is shorter, so a control reaches the end of every short fork
-    of its prefix and a fork judged over H has at least the evaluations of a short one."""
-    out = {}
-    for a, p in prefix.items():
-        h = horizon.get(a, np.nan)
-        h = max(h if np.isfinite(h) and h > 0 else p, float((at_least or {}).get(a, 0)))
-        out[a] = _round_up(h, fork_unit(a, (hparams or {}).get(a, {})))
-    return out
-
-
 def fork_grid(algos: Sequence[str], treatments: Sequence[tuple[str, float]], seeds: Iterable[int],
-              prefix: Mapping[str, int], *, task: str = "HalfCheetah-v5",
+              prefix: Mapping[str, int | Mapping[int, int]], *, task: str = "HalfCheetah-v5",
               hparams: Mapping[str, Mapping[str, Any]] | None = None, lead: Mapping[str, int],
               post: Mapping[str, int] | None = None, horizon: Mapping[str, int] | None = None,
               spike_updates: int = 0, env_duration: int = 2048, eval_every: Mapping[str, int] | None = None,
               log_every: int = 1, noise_after_fork: Mapping[str, float] | None = None,
               keep_knob: bool = False) -> list[RunSpec]:
-    """Forks of each arm's stored prefix (``prefix[arm]`` env steps): treatments x seeds.
+    """Forks of each arm's stored prefix (``prefix[arm]`` env steps, or ``prefix[arm][seed]`` where each
+    seed's prefix has its own length: a prefix matched by return): treatments x seeds.
 
     ``algos``: arms (learners, or variants such as ``ppo-tuned``, whose ``hparams`` are their own).
     ``treatments``: ``(kind, dose)`` pairs, ``("none", 1.0)`` = the unperturbed fork (the
@@ -119,21 +107,22 @@ def fork_grid(algos: Sequence[str], treatments: Sequence[tuple[str, float]], see
         raise ValueError("fork_grid needs exactly one of post (the short window) and horizon (to event + H)")
     specs = []
     for a in algos:
-        hp = {**((hparams or {}).get(a, {})), "prefix_steps": int(prefix[a])}
-        full = _full(a, hp)
-        knob = NOISE_KNOB[arm_learner(a)]
-        if noise_after_fork and a in noise_after_fork and (keep_knob or float(noise_after_fork[a]) != full[knob]):
-            hp["noise_after_fork"] = float(noise_after_fork[a])
-        unit = fork_unit(a, full)
-        if int(prefix[a]) % unit:  # here, not minutes later on a worker
-            raise ValueError(f"{a}: prefix_steps {prefix[a]} must be a multiple of "
-                             f"{'n_steps' if arm_learner(a) in ON_POLICY else 'train_freq'} = {unit} "
-                             "(a fork point ends a train call)")
-        start = int(prefix[a]) + int(lead[a])
-        spike = spike_env_steps(a, full, spike_updates)
-        window = max(spike, int(env_duration))
-        steps = _round_up(start + (window + int(post[a]) if horizon is None else max(window, int(horizon[a]))), unit)
         for s in seeds:
+            p = int(prefix[a][int(s)] if isinstance(prefix[a], Mapping) else prefix[a])
+            hp = {**((hparams or {}).get(a, {})), "prefix_steps": p}
+            full = _full(a, hp)
+            knob = NOISE_KNOB[arm_learner(a)]
+            if noise_after_fork and a in noise_after_fork and (keep_knob or float(noise_after_fork[a]) != full[knob]):
+                hp["noise_after_fork"] = float(noise_after_fork[a])
+            unit = fork_unit(a, full)
+            if p % unit:  # here, not minutes later on a worker
+                raise ValueError(f"{a}: prefix_steps {p} must be a multiple of "
+                                 f"{'n_steps' if arm_learner(a) in ON_POLICY else 'train_freq'} = {unit} "
+                                 "(a fork point ends a train call)")
+            start = p + int(lead[a])
+            spike = spike_env_steps(a, full, spike_updates)
+            window = max(spike, int(env_duration))
+            steps = _round_up(start + (window + int(post[a]) if horizon is None else max(window, int(horizon[a]))), unit)
             for kind, dose in treatments:
                 pert = () if kind == "none" else (Perturbation(kind, start, spike if kind == "lr_spike"
                                                                else int(env_duration), float(dose)),)
@@ -157,12 +146,12 @@ def to_horizon(spec: RunSpec, horizon: int) -> RunSpec:
 def arms_of(specs: Iterable[RunSpec], hparams: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
     """Spec hash -> arm, for prefixes and forks of ``hparams``' arms (arm -> the hyperparameters its
     specs were built with): the arm whose learner is the spec's and whose hyperparameters are the
-    spec's without the fork's own (``prefix_steps``, ``noise_after_fork``). ``ValueError`` for a spec
-    no arm or more than one arm describes."""
+    spec's without the fork's own (``prefix_steps``, ``noise_after_fork``, ``match_return``). ``ValueError``
+    for a spec no arm or more than one arm describes."""
     own = {a: freeze_map(h, a) for a, h in hparams.items()}
     out = {}
     for s in specs:
-        hp = {k: v for k, v in s.hp.items() if k not in ("prefix_steps", "noise_after_fork")}
+        hp = {k: v for k, v in s.hp.items() if k not in ("prefix_steps", "noise_after_fork", "match_return")}
         match = [a for a, h in own.items() if arm_learner(a) == s.learner and h == freeze_map(hp, s.label)]
         if len(match) != 1:
             raise ValueError(f"{s.label}: {'no arm' if not match else 'arms ' + ', '.join(match)} of "
@@ -177,225 +166,194 @@ def with_arms(ds: xr.Dataset, arms: Mapping[str, str]) -> xr.Dataset:
     learner = [arms.get(str(h), str(a)) for h, a in zip(ds.run.values, ds.learner.values, strict=True)]
     return ds.assign_coords(learner=("run", learner))
 
-#: H as a fraction of the prefix length before the prefixes are trained (for a cost estimate only): the
-#: prefixes of the quick study of commit efa2e01 (results/quick/01_rl_algorithm_comparison.md, 3 seeds)
-#: reached 80% of their return gain after about 150k of 250k (PPO), 45k of 70k (SAC) and 38k of 60k
-#: (TD3) env steps (issue 26).
-PLANNING_HORIZON_FRAC = 0.6
-
-
 @dataclass(frozen=True)
 class ForkDesign:
-    """Notebook 01's fork grids; each field is the notebook parameter of the same name
+    """Notebook 01's design, fixed before the runs; each field is the notebook parameter of the same name
     (:meth:`from_parameters`).
 
-    :meth:`grids` gives, for one regime (a prefix length per arm): the lr-spike control and
-    claim-dose forks, run to H (claims (a) and (b)), the other lr doses and the lr ramps (short window), and
-    on the ``subset_seeds`` the action-noise, reward-scale and noise-knob grids (short; their controls to H)."""
+    Every arm trains one prefix per seed until its return reaches ``target_return`` (:meth:`match_specs`).
+    Forks of it (:meth:`forks`): the control runs to its event + H; every perturbed fork runs a short
+    window first and on to H only where it dropped (:func:`to_horizon`). The lr-spike doses of each prefix
+    come one at a time (:meth:`next_dose`), the other kinds at one dose each."""
 
     algos: tuple[str, ...]
-    """arms of the comparison (learners or variants, :func:`stabstudy.registry.arm_learner`)"""
+    """arms (learners or variants, :func:`stabstudy.registry.arm_learner`); on-policy arms are the treated ones"""
     seeds: tuple[int, ...]
     """one prefix per seed and arm: the independent units of claims (a) and (b)"""
-    prefix_steps: Mapping[str, int]
-    """env steps of each arm's prefix"""
+    target_return: float
+    """a prefix trains until the mean of two consecutive evaluations first reaches this return"""
+    prefix_cap: Mapping[str, int]
+    """the most env steps an arm's prefix trains; one that has not reached the target by then is unmatched"""
+    prefix_eval_every: Mapping[str, int]
+    """env steps between a prefix's evaluations, where the target is checked (a multiple of the fork unit)"""
+    horizon: Mapping[str, int]
+    """H: env steps after the event over which a fork is judged against its control"""
     fork_lead: Mapping[str, int]
     """env steps from the fork to the perturbation"""
     fork_post: Mapping[str, int]
     """env steps a short fork runs after its perturbation window"""
     fork_eval_every: Mapping[str, int]
     """env steps between a fork's evaluations"""
-    claim_dose: float
-    """lr factor of claim (a), fixed before the runs: its forks run to H"""
-    lr_doses: tuple[float, ...]
-    """lr factors of the dose ladder (claim (b)); the claim dose among them or not"""
+    claim_dose: float = 10.0
+    """lr factor (of the arm's own lr) of claim (a) and every prefix's first dose"""
+    dose_steps: tuple[float, ...] = (0.5, 0.25)
+    """decades from a prefix's last dose to its next: down after a collapse, up after none (claim (b))"""
+    lag_frac: float = 0.25
+    """a fork that trails its control by up to this fraction of H is not collapsed"""
+    collapse_frac: float = 0.5
+    """a fork that ends below this fraction of its control's gain over the floor collapsed"""
+    no_gain: float = 0.0
+    """a control at most this far (a return) above its floor at the end has no gain to lose: no verdict"""
     subset_seeds: tuple[int, ...] = ()
-    """the prefixes of the other grids (action noise, reward scale, noise knob) and of ``subset_arms``"""
+    """the prefixes of subset_arms, of the env-side kinds and of the noise grid"""
     subset_arms: tuple[str, ...] = ()
     """arms that run on the subset seeds only"""
     task: str = "HalfCheetah-v5"
     """gymnasium env id"""
-    lr_ramp_doses: tuple[float, ...] = ()
-    """final factors of lr ramps (short forks of every prefix; notebook 04 reads them)"""
-    action_noise_doses: tuple[float, ...] = ()
-    """action-noise doses (subset seeds)"""
-    reward_scale_doses: tuple[float, ...] = ()
-    """reward factors (subset seeds)"""
-    noise_levels: Mapping[str, Sequence[float]] = field(default_factory=dict)
-    """each arm's own noise knob after the fork, levels (subset seeds; empty: no noise grid)"""
-    noise_lead: Mapping[str, int] = field(default_factory=dict)
-    """env steps from the fork to the spike in the noise grid (the knob acts that long first)"""
-    noise_doses: tuple[float, ...] = ()
-    """lr-spike doses at each knob level (short forks; empty: the claim's dose only)"""
     spike_updates: int = 0
     """gradient updates an lr spike covers (0: one PPO rollout's)"""
     env_pert_duration: int = 2048
-    """env steps of an env-side perturbation"""
+    """env steps of an env-side perturbation and of an lr ramp's climb"""
     log_every: int = 1
     """keep every this many telemetry rows"""
-    bisections: int = 0
-    """claim (b)'s bisection forks per prefix inside its bracket (one round; their doses come from the ladder's outcomes)"""
-    long_prefix_steps: Mapping[str, int] = field(default_factory=dict)
-    """the second regime's prefix lengths (lr grids only; empty: one regime), :func:`regimes`"""
+    lr_ramp_doses: tuple[float, ...] = ()
+    """final factors of lr ramps, short forks of the subset seeds (notebook 04 reads them)"""
+    env_doses: Mapping[str, float] = field(default_factory=dict)
+    """env-side kind (action_noise, reward_scale) -> its dose, short forks of the subset seeds"""
+    extend_kinds: tuple[str, ...] = ("lr_spike",)
+    """kinds whose short forks run on to H where they dropped (the others' drops get no verdict)"""
+    noise_levels: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    """claim (c): each arm's own noise knob after the fork, levels (subset seeds; empty: no noise grid)"""
+    noise_lead: Mapping[str, int] = field(default_factory=dict)
+    """claim (c): env steps from the fork to the spike in the noise grid (the knob acts that long first)"""
     stated_at: int = 2048
     """the claim as stated: env step of the spike in a fresh run"""
     stated_update: int = 2000
-    """the claim as stated: the spike at this update as stable-baselines3 counts them"""
+    """the claim as stated: the spike at this update as stable-baselines3 counts them (run where it differs)"""
     stated_steps: Mapping[str, int] = field(default_factory=dict)
-    """the claim as stated: each arm's budget (env steps of its fresh runs; empty: not run)"""
+    """the claim as stated: each arm's budget in env steps (its fresh runs; empty: not run)"""
     stated_hparams: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    """the claim as stated: hyperparameters over the arm's (e.g. a small learning_starts)"""
-    stated_eval_every: Mapping[str, int] = field(default_factory=dict)
-    """the claim as stated: env steps between evaluations"""
-    extend_kinds: tuple[str, ...] = ("lr_spike",)
-    """perturbation kinds whose short forks run on to H where they dropped (the others' drops get no verdict)"""
-    horizon_frac: float = 0.8
-    """H is the env steps a prefix needed to reach this fraction of its return gain"""
-    collapse_frac: float = 0.5
-    """a fork dropped when its return fell below this fraction of its paired control's gain over the floor"""
-    recover_frac: float = 0.8
-    """a fork that dropped recovered when its last evaluations are back at this fraction by event + H"""
+    """the claim as stated: hyperparameters over the arm's for its fresh runs (e.g. a small learning_starts)"""
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, Any]) -> ForkDesign:
         """The design of a notebook parameters mapping (extra names are ignored)."""
-        names = [f.name for f in fields(cls)]
-        missing = [n for n in names[:8] if n not in params]
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in params]
         if missing:
             raise ValueError(f"ForkDesign needs the parameters {', '.join(missing)}")
-        kw = {n: params[n] for n in names if n in params}
+        kw = {f.name: params[f.name] for f in fields(cls) if f.name in params}
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()})
 
     def seeds_of(self, arm: str) -> tuple[int, ...]:
         """The prefixes (seeds) of ``arm``."""
         return tuple(self.subset_seeds if arm in self.subset_arms else self.seeds)
 
-    def prefix_forks(self, hparams: Mapping[str, Mapping[str, Any]]) -> dict[str, list[RunSpec]]:
-        """Per regime, one unperturbed fork of every prefix (arm and seed) at its planning H: what
-        ``stabstudy.learners.rl.forks.prefix_specs`` reads the prefixes of, before they exist."""
-        out = {}
-        for r, pre in self.regimes().items():
-            h = horizon_steps({a: PLANNING_HORIZON_FRAC * n for a, n in pre.items()}, pre, hparams)
-            out[r] = [s for s in self.grids(hparams, h, prefix=pre, lr_only=True)["lr_spike to H"] if not s.perturbations]
-        return out
-
-    def horizon(self, prefix_curves: xr.DataArray, hparams: Mapping[str, Mapping[str, Any]],
-                prefix: Mapping[str, int]) -> tuple[pd.DataFrame, dict[str, int]]:
-        """H of one regime (``prefix``: its prefix length per arm) from its prefixes' learning curves
-        (``eval_curves`` with each run's arm as ``learner``): :func:`horizons` at ``horizon_frac``,
-        rounded by :func:`horizon_steps` and never shorter than a short fork's :meth:`window`.
-        Returns ``(per-prefix horizons, {arm: H})``."""
-        per, h = horizons(prefix_curves, frac=self.horizon_frac)
-        return per, horizon_steps(h, prefix, hparams, at_least={a: self.window(a, hparams[a]) for a in self.algos})
-
     def window(self, arm: str, hp: Mapping[str, Any]) -> int:
         """Env steps a short fork runs from its event: the perturbation window plus ``fork_post``."""
         return max(spike_env_steps(arm, hp, self.spike_updates), int(self.env_pert_duration)) + int(self.fork_post[arm])
 
-    def grids(self, hparams: Mapping[str, Mapping[str, Any]], horizon: Mapping[str, int],
-              prefix: Mapping[str, int] | None = None, lr_only: bool = False) -> dict[str, list[RunSpec]]:
-        """The fork specs by grid: ``"lr_spike to H"`` (control and claim dose), ``"lr_spike short"``
-        (the other doses), ``"lr_ramp"``, ``"action_noise"``, ``"reward_scale"``, ``"noise"`` (each level with its
-        own control to H); ``prefix``: another regime's prefix lengths; ``lr_only``: only the first two."""
-        prefix = {**self.prefix_steps, **(prefix or {})}
-        kw = dict(task=self.task, hparams=hparams, lead=self.fork_lead, spike_updates=self.spike_updates,
+    def h(self, arm: str, hp: Mapping[str, Any]) -> int:
+        """H of ``arm`` rounded up to its fork unit and never shorter than a short fork's :meth:`window`
+        (so a control reaches the end of every short fork of its prefix)."""
+        return _round_up(max(int(self.horizon[arm]), self.window(arm, hp)), fork_unit(arm, hp))
+
+    def lag(self, arm: str, hp: Mapping[str, Any]) -> float:
+        """Env steps a fork may trail its control by (``lag_frac`` of :meth:`h`)."""
+        return float(self.lag_frac) * self.h(arm, hp)
+
+    def match_specs(self, hparams: Mapping[str, Mapping[str, Any]], cap: Mapping[str, int] | None = None) -> list[RunSpec]:
+        """One prefix per arm and seed, matched by return (``stabstudy.learners.rl.forks``): from scratch to
+        ``target_return``, at most ``prefix_cap`` (or ``cap``) env steps, evaluated every ``prefix_eval_every``."""
+        cap = {**self.prefix_cap, **(cap or {})}
+        return [RunSpec("rl", arm_learner(a), self.task, int(cap[a]), int(s),
+                        hparams={**hparams[a], "match_return": float(self.target_return)},
+                        eval_every=int(self.prefix_eval_every[a]), log_every=int(self.log_every))
+                for a in self.algos for s in self.seeds_of(a)]
+
+    def next_dose(self, dose: float, step: int, collapsed: bool) -> float | None:
+        """A prefix's dose after ``dose`` (its ``step``-th, 0: the claim's): ``dose_steps[step]`` decades down
+        after a collapse, up after none, to 3 significant digits; None after the last step."""
+        if step >= len(self.dose_steps):
+            return None
+        return float(f"{dose * 10 ** (-self.dose_steps[step] if collapsed else self.dose_steps[step]):.3g}")
+
+    def forks(self, hparams: Mapping[str, Mapping[str, Any]], prefix: Mapping[str, Mapping[int, int]], arm: str,
+              seeds: Iterable[int], treatments: Sequence[tuple[str, float]], *, to_h: bool,
+              noise: float | None = None) -> list[RunSpec]:
+        """Forks of ``arm``'s prefixes of ``seeds`` (``prefix[arm][seed]``: where each stopped), one per
+        treatment, short or (``to_h``) to the event + :meth:`h`; ``noise``: the arm's own knob set at the
+        fork, ``noise_lead`` before the perturbation (the noise grid of claim (c), with its own controls)."""
+        lead = {arm: int(self.noise_lead[arm] if noise is not None else self.fork_lead[arm])}
+        kw = dict(task=self.task, hparams=hparams, lead=lead, spike_updates=self.spike_updates,
                   env_duration=self.env_pert_duration, eval_every=self.fork_eval_every, log_every=self.log_every)
-        short = [("lr_spike", d) for d in self.lr_doses if d != self.claim_dose]
-        out: dict[str, list[RunSpec]] = {"lr_spike to H": [], "lr_spike short": [], "lr_ramp": [], "action_noise": [],
-                                         "reward_scale": [], "noise": []}
+        if noise is not None:
+            kw.update(noise_after_fork={arm: float(noise)}, keep_knob=True)
+        length = {"horizon": {arm: self.h(arm, hparams[arm])}} if to_h else {"post": self.fork_post}
+        return fork_grid([arm], treatments, seeds, prefix, **kw, **length)
+
+    def first_forks(self, hparams: Mapping[str, Mapping[str, Any]],
+                    prefix: Mapping[str, Mapping[int, int]]) -> dict[str, list[RunSpec]]:
+        """The first round's forks by group: ``"control"`` (to H), ``"lr_spike"`` (the claim's dose, short),
+        ``"lr_ramp"`` and each env-side kind of ``env_doses`` (subset seeds), and ``"noise"`` (each knob
+        level's control to H and spike at the claim's dose, subset seeds). ``prefix[arm][seed]``: the env
+        step each prefix stopped at (prefixes absent there get no forks)."""
+        out: dict[str, list[RunSpec]] = {"control": [], "lr_spike": [], "lr_ramp": [], "noise": []}
+        out.update({k: [] for k in self.env_doses})
         for a in self.algos:
-            seeds, sub = self.seeds_of(a), [s for s in self.subset_seeds if s in self.seeds_of(a)]
-            out["lr_spike to H"] += fork_grid([a], [("none", 1.0), ("lr_spike", self.claim_dose)], seeds, prefix,
-                                              horizon=horizon, **kw)
-            out["lr_spike short"] += fork_grid([a], short, seeds, prefix, post=self.fork_post, **kw)
-            if lr_only:
-                continue
-            out["lr_ramp"] += fork_grid([a], [("lr_ramp", d) for d in self.lr_ramp_doses], seeds, prefix,
-                                        post=self.fork_post, **kw)
-            for kind, doses in (("action_noise", self.action_noise_doses), ("reward_scale", self.reward_scale_doses)):
-                out[kind] += fork_grid([a], [(kind, d) for d in doses], sub, prefix, post=self.fork_post, **kw)
+            seeds = [s for s in self.seeds_of(a) if s in prefix.get(a, {})]
+            sub = [s for s in self.subset_seeds if s in seeds]
+            out["control"] += self.forks(hparams, prefix, a, seeds, [("none", 1.0)], to_h=True)
+            out["lr_spike"] += self.forks(hparams, prefix, a, seeds, [("lr_spike", self.claim_dose)], to_h=False)
+            out["lr_ramp"] += self.forks(hparams, prefix, a, sub, [("lr_ramp", d) for d in self.lr_ramp_doses],
+                                         to_h=False)
+            for kind, dose in self.env_doses.items():
+                out[kind] += self.forks(hparams, prefix, a, sub, [(kind, dose)], to_h=False)
             for level in self.noise_levels.get(a, ()):
-                nkw = {**kw, "lead": {**self.fork_lead, **self.noise_lead}, "noise_after_fork": {a: level},
-                       "keep_knob": True}
-                out["noise"] += fork_grid([a], [("none", 1.0)], sub, prefix, horizon=horizon, **nkw)
-                out["noise"] += fork_grid([a], [("lr_spike", d) for d in self.noise_doses or (self.claim_dose,)], sub,
-                                          prefix, post=self.fork_post, **nkw)
-        return {k: list(dict.fromkeys(v)) for k, v in out.items()}
+                out["noise"] += self.forks(hparams, prefix, a, sub, [("none", 1.0)], to_h=True, noise=level)
+                out["noise"] += self.forks(hparams, prefix, a, sub, [("lr_spike", self.claim_dose)], to_h=False,
+                                           noise=level)
+        return out
 
-    def regimes(self) -> dict[str, dict[str, int]]:
-        """:func:`regimes` of this design."""
-        return regimes(self.prefix_steps, self.long_prefix_steps)
-
-    def stated(self, hparams: Mapping[str, Mapping[str, Any]]) -> tuple[dict[str, list[RunSpec]], dict[str, str]]:
-        """:func:`stated_grid` of the plain learners among the arms on the subset seeds (the claim's dose;
-        ``stated_hparams`` over ``hparams``); nothing without ``stated_steps``."""
+    def stated(self, hparams: Mapping[str, Mapping[str, Any]]) -> tuple[list[RunSpec], dict[str, str]]:
+        """:func:`stated_grid` of the plain learners among the arms, on the arms' seeds, at the claim's dose,
+        ``stated_hparams`` over the arms': the spiked fresh runs and the unperturbed runs of their seeds.
+        Where an arm's fresh runs train as its prefixes do (no ``stated_hparams``), its control is its
+        matching prefix (:meth:`match_specs`: the same training up to the budget, evaluated at the same
+        env steps), not a run of its own."""
         arms = [a for a in self.algos if a == arm_learner(a) and a in self.stated_steps]
-        return stated_grid(arms, self.subset_seeds, self.stated_steps, at=self.stated_at, update=self.stated_update,
-                           dose=self.claim_dose, spike_updates=self.spike_updates, task=self.task,
-                           hparams={a: {**hparams[a], **self.stated_hparams.get(a, {})} for a in arms},
-                           eval_every=self.stated_eval_every, log_every=self.log_every)
+        hp = {a: {**hparams[a], **self.stated_hparams.get(a, {})} for a in arms}
+        specs, dropped = stated_grid(arms, {a: self.seeds_of(a) for a in arms}, self.stated_steps, at=self.stated_at,
+                                     update=self.stated_update, dose=self.claim_dose, spike_updates=self.spike_updates,
+                                     task=self.task, hparams=hp, eval_every=self.prefix_eval_every,
+                                     log_every=self.log_every)
+        match = self.match_specs(hparams)
+        match_arm = arms_of(match, hparams)
+        prefixes = {(match_arm[s.spec_hash], s.seed): s for s in match}
+        own = [s.replace(perturbations=()) if self.stated_hparams.get(s.learner) else prefixes[(s.learner, s.seed)]
+               for s in specs]
+        return list(dict.fromkeys(specs + own)), dropped
 
     def plan(self, hparams: Mapping[str, Mapping[str, Any]],
-             horizon: Mapping[str, Mapping[str, int]] | None = None) -> dict[str, list[RunSpec]]:
-        """Every run of the design, for its cost (:func:`stabstudy.analysis.studies.rl.cost.worker_seconds`):
-        ``"prefixes"`` (one per arm, seed and regime), the grids of every regime (the second regime's lr
-        grids only), ``bisections`` stand-in forks per prefix (their doses are known only from the ladder's
-        outcomes), ``"stated"``, and ``"extensions (at most)"``: every short fork run on to H, the most
-        the drop rule adds. ``horizon``: per regime and arm (measured); default
-        :data:`PLANNING_HORIZON_FRAC` of each prefix length (a regime absent from ``horizon`` too)."""
-        out: dict[str, list[RunSpec]] = {"prefixes": []}
-        for r, pre in self.regimes().items():
-            h = (horizon or {}).get(r) or horizon_steps({a: PLANNING_HORIZON_FRAC * n for a, n in pre.items()}, pre, hparams,
-                                                        at_least={a: self.window(a, hparams[a]) for a in self.algos})
-            g = self.grids(hparams, h, prefix=pre, lr_only=r != "return-matched")
-            # the bisection forks' doses come from the ladder's outcomes: stand-ins of the same length for the cost
-            stand_in = [("lr_spike", self.claim_dose * (1 + 1e-3 * (i + 1))) for i in range(int(self.bisections))]
-            g["lr_spike bisection (stand-ins)"] = [x for a in self.algos for x in fork_grid(
-                [a], stand_in, self.seeds_of(a), pre, post=self.fork_post, task=self.task, hparams=hparams,
-                lead=self.fork_lead, spike_updates=self.spike_updates, env_duration=self.env_pert_duration,
-                eval_every=self.fork_eval_every, log_every=self.log_every)]
-            arms = arms_of([x for v in g.values() for x in v], hparams)
-            for s in g["lr_spike to H"]:
-                if not s.perturbations:
-                    out["prefixes"].append(s.replace(steps=pre[arms[s.spec_hash]], eval_every=0))
-            for k, v in g.items():
-                out.setdefault(k, []).extend(v)
-            out.setdefault("extensions (at most)", []).extend(self.upper_bound(g, h, arms))
-        out["stated"] = [s for v in self.stated(hparams)[0].values() for s in v]
+             prefix: Mapping[str, Mapping[int, int]] | None = None) -> dict[str, list[RunSpec]]:
+        """Every run of the design, for its cost (:func:`stabstudy.analysis.studies.rl.cost.worker_seconds`),
+        ``prefix`` (arm -> seed -> env steps) where the prefixes stopped, else at their caps (the most they
+        can cost): ``"prefixes"``, the first forks by group, ``"doses"`` (one short fork per prefix and dose
+        step; their doses come from the outcomes, stand-ins of the same length), ``"stated"`` and
+        ``"extensions (at most)"``: every short lr-spike fork run on to H, the most the drop rule adds."""
+        prefix = prefix or {a: dict.fromkeys(self.seeds_of(a), int(self.prefix_cap[a])) for a in self.algos}
+        out: dict[str, list[RunSpec]] = {"prefixes": self.match_specs(hparams, {a: max(p.values()) for a, p in prefix.items()})}
+        out.update(self.first_forks(hparams, prefix))
+        out["doses"] = [s for a in self.algos for i in range(len(self.dose_steps)) for s in self.forks(
+            hparams, prefix, a, [s for s in self.seeds_of(a) if s in prefix.get(a, {})],
+            [("lr_spike", self.claim_dose * (1 + 1e-3 * (i + 1)))], to_h=False)]
+        out["stated"] = [s for s in self.stated(hparams)[0] if s.hp.get("match_return", "none") == "none"]  # not the prefixes
+        short = [s for k, v in out.items() if k not in ("prefixes", "control", "stated") for s in v if s.perturbations
+                 and s.perturbations[0].kind in self.extend_kinds]
+        arms = arms_of(short, hparams)
+        longer = [to_horizon(s, self.h(arms[s.spec_hash], hparams[arms[s.spec_hash]])) for s in short]
+        out["extensions (at most)"] = [e for e, s in zip(longer, short, strict=True) if e != s]
         return {k: list(dict.fromkeys(v)) for k, v in out.items()}
-
-    def bisection_forks(self, hparams: Mapping[str, Mapping[str, Any]], doses, prefixes: Mapping[str, RunSpec]) -> list[RunSpec]:
-        """Short lr-spike forks at the doses of ``doses`` (``outcomes.bisection_doses`` rows:
-        ``learner`` the arm, ``prefix`` its prefix's spec hash, ``dose``), each of its own prefix
-        (``prefixes``: hash -> prefix spec); then the drop rule, like every short fork."""
-        kw = dict(task=self.task, hparams=hparams, lead=self.fork_lead, spike_updates=self.spike_updates,
-                  env_duration=self.env_pert_duration, eval_every=self.fork_eval_every, log_every=self.log_every,
-                  post=self.fork_post)
-        out = []
-        for r in doses.itertuples():
-            p = prefixes[str(r.prefix)]
-            out += fork_grid([r.learner], [("lr_spike", float(r.dose))], [p.seed], {r.learner: p.steps}, **kw)
-        return list(dict.fromkeys(out))
-
-    def upper_bound(self, grids: Mapping[str, Sequence[RunSpec]], horizon: Mapping[str, int],
-                    arms: Mapping[str, str]) -> list[RunSpec]:
-        """Every short fork of ``grids`` run on to H (:func:`to_horizon`; ``arms``: spec hash -> arm,
-        :func:`arms_of`): the most the drop rule can add, for a cost estimate."""
-        runs = [s for g in grids.values() for s in g if s.perturbations and s.hp.get("prefix_steps")]
-        return [e for s in runs if (e := to_horizon(s, horizon[arms[s.spec_hash]])) != s]
-
-
-def regimes(prefix_steps: Mapping[str, int], long_prefix_steps: Mapping[str, int] | None = None) -> dict[str, dict[str, int]]:
-    """The prefix regimes of notebook 01: ``"return-matched"`` (``prefix_steps``: SAC's and TD3's
-    prefixes stop where their return is near PPO's) and, when ``long_prefix_steps`` names arms,
-    ``"long prefixes"`` (those arms' lengths replaced; the other arms' prefixes are shared)."""
-    out = {"return-matched": dict(prefix_steps)}
-    if long_prefix_steps:
-        unknown = sorted(set(long_prefix_steps) - set(prefix_steps))
-        if unknown:
-            raise ValueError(f"long_prefix_steps names arms without a prefix: {unknown}; arms: {', '.join(prefix_steps)}")
-        out["long prefixes"] = {**prefix_steps, **long_prefix_steps}
-    return out
 
 
 def default_knob_as_same(table, hparams: Mapping[str, Mapping[str, Any]]):
@@ -413,41 +371,46 @@ def default_knob_as_same(table, hparams: Mapping[str, Mapping[str, Any]]):
     return table.assign(noise_after_fork=table.apply(own, axis=1)) if len(table) else table
 
 
-def stated_grid(algos: Sequence[str], seeds: Iterable[int], steps: Mapping[str, int], *, at: int = 2048,
+def stated_grid(algos: Sequence[str], seeds: Mapping[str, Iterable[int]], steps: Mapping[str, int], *, at: int = 2048,
                 update: int = 2000, dose: float = 10.0, spike_updates: int = 0, task: str = "HalfCheetah-v5",
                 hparams: Mapping[str, Mapping[str, Any]] | None = None, eval_every: Mapping[str, int] | None = None,
-                log_every: int = 1) -> tuple[dict[str, list[RunSpec]], dict[str, str]]:
-    """The claim as stated: one lr spike early in a fresh run, against the unperturbed run of the same
-    seed at the full budget (``steps[arm]`` env steps). Two readings of the paper's "step":
-    ``"env step {at}"`` (PPO: the first rollout end at or after it) and ``"update {update}"`` as
-    stable-baselines3 counts updates (:func:`env_step_of_update`). Returns ``(grids, dropped)``:
-    ``{reading: specs}`` (the control and the spiked run per arm and seed; where both readings give one
-    window the runs are shared) and ``{f"{arm}, {reading}": reason}`` for the readings an arm leaves out
-    (the window does not end before its budget, or no gradient update falls in it: SAC/TD3 make none
-    before ``learning_starts``)."""
-    out: dict[str, list[RunSpec]] = {f"env step {at}": [], f"update {update}": []}
+                log_every: int = 1) -> tuple[list[RunSpec], dict[str, str]]:
+    """The claim as stated: one lr spike at env step ``at`` of a fresh run of ``steps[arm]`` env steps,
+    per arm and seed (read against the unperturbed run of the same seed and hyperparameters, evaluated
+    at the same env steps, ``eval_every``: :meth:`ForkDesign.stated`). Returns ``(specs, dropped)``,
+    ``dropped``: ``{f"{arm}, {reading}": reason}`` for each reading an arm leaves out: "update
+    {update}" as stable-baselines3 counts updates (:func:`env_step_of_update`) is not run where it ends
+    after the budget, or where it falls within one spike window of env step ``at`` (the same spike); the
+    env-step reading where no gradient update falls in its window (before ``learning_starts``)."""
+    specs: list[RunSpec] = []
     dropped: dict[str, str] = {}
-    seeds = list(seeds)
     for a in algos:
         hp = dict((hparams or {}).get(a, {}))
         full = _full(a, hp)
         spike = spike_env_steps(a, full, spike_updates)
         first_update = env_step_of_update(a, full, 1)
-        for reading, start in ((f"env step {at}", int(at)), (f"update {update}", env_step_of_update(a, full, update))):
-            if start + spike >= steps[a]:
-                dropped[f"{a}, {reading}"] = (f"the spike (env steps [{start}, {start + spike})) does not end before "
-                                              f"the budget of {steps[a]} env steps")
-                continue
-            if arm_learner(a) not in ON_POLICY and start + spike <= first_update:
-                dropped[f"{a}, {reading}"] = (f"no gradient update in the spike (env steps [{start}, {start + spike})): "
-                                              f"the first comes at env step {first_update} (learning_starts)")
-                continue
-            for s in seeds:
-                for pert in ((), (Perturbation("lr_spike", start, spike, float(dose)),)):
-                    out[reading].append(RunSpec("rl", arm_learner(a), task, int(steps[a]), int(s), hparams=hp,
-                                                perturbations=pert, eval_every=int((eval_every or {}).get(a, 0)),
-                                                log_every=int(log_every)))
-    return {k: list(dict.fromkeys(v)) for k, v in out.items()}, dropped
+        upd = env_step_of_update(a, full, update)
+        if upd + spike >= steps[a]:
+            dropped[f"{a}, update {update}"] = (f"update {update} comes at env step {upd}, the spike does not end "
+                                                f"before the budget of {steps[a]} env steps")
+        elif abs(upd - at) < spike:
+            dropped[f"{a}, update {update}"] = (f"update {update} comes at env step {upd}, within one spike window "
+                                                f"({spike} env steps) of env step {at}: the same spike, run once")
+        else:
+            dropped[f"{a}, update {update}"] = (f"update {update} comes at env step {upd}: not run (the design "
+                                                f"reads the claim at env step {at})")
+        if at + spike >= steps[a]:
+            dropped[f"{a}, env step {at}"] = f"the spike does not end before the budget of {steps[a]} env steps"
+            continue
+        if arm_learner(a) not in ON_POLICY and at + spike <= first_update:
+            dropped[f"{a}, env step {at}"] = (f"no gradient update in the spike (env steps [{at}, {at + spike})): the "
+                                              f"first comes at env step {first_update} (learning_starts)")
+            continue
+        for s in seeds[a]:
+            specs.append(RunSpec("rl", arm_learner(a), task, int(steps[a]), int(s), hparams=hp,
+                                 perturbations=(Perturbation("lr_spike", int(at), spike, float(dose)),),
+                                 eval_every=int((eval_every or {}).get(a, 0)), log_every=int(log_every)))
+    return list(dict.fromkeys(specs)), dropped
 
 
 def geometric_points(low: float, high: float, points: int = 1) -> list[float]:

@@ -1,19 +1,19 @@
 """Notebook 01's outcomes: each perturbed fork against its paired control at the same env steps,
-over a horizon the algorithm's own learning curve sets, with the independent prefix as the unit.
+over the horizon H, allowing a lag; the independent prefix as the unit.
 
 * :func:`paired_outcome`: collapse, recovery and damage of one perturbed fork against its control
-  (same prefix, same continuation), both read at the same env steps. A run that diverged has its
-  floor after it stopped (:func:`floored`): never its last, pre-spike evaluations.
-* :func:`paired_table`: :func:`paired_outcome` for every perturbed fork of a run table
-  (:func:`stabstudy.analysis.studies.rl.runs.summarize`); :func:`horizon_outcomes` judges each fork over what
-  it ran (H, or its short window), :func:`stated_outcomes` the claim as stated (fresh runs).
+  (same prefix, same continuation), both read at the same env steps, the fork allowed to trail the
+  control by a lag. A run that diverged has its floor after it stopped (:func:`floored`): never its
+  last, pre-spike evaluations. This is the study's one meaning of "collapsed".
+* :func:`paired_table`: :func:`paired_outcome` for every perturbed run of a run table
+  (:func:`.runs.run_table`); :func:`horizon_outcomes` judges each fork over what it ran (H, or its
+  short window), :func:`stated_outcomes` the claim as stated (fresh runs).
 * The prefix as the unit: :func:`by_prefix` (one row per prefix: the mean over its forks) and
   :func:`prefix_summary` (rates and damage over prefixes, :func:`stabstudy.analysis.stats.cluster_bootstrap`).
-* Each prefix's critical dose: :func:`dose_brackets` (its interval-censored bracket from its forks),
-  :func:`bisection_doses` (the next forks inside it), :func:`prefix_critical_doses` (the bracket's
-  geometric midpoint, also as an absolute learning rate, :func:`base_lr`, and as the policy change it
-  caused); claim (c)'s paired changes of it with the noise knob: :func:`knob_dose_changes`,
-  :func:`knob_collapse_changes`.
+* Each prefix's critical dose: :func:`dose_brackets` (its interval-censored bracket from its forks) and
+  :func:`prefix_critical_doses` (the bracket's geometric midpoint, also as an absolute learning rate,
+  :func:`base_lr`, and as the policy change it caused); claim (c)'s paired change of a prefix's collapse
+  with the noise knob: :func:`knob_collapse_changes`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from stabstudy.analysis.studies.rl.curves import (
     step_at,
     stop_env_step,
 )
-from stabstudy.analysis.studies.rl.design import geometric_points
 from stabstudy.hparams import defaults
 from stabstudy.registry import hparams_class
 
@@ -55,26 +54,37 @@ def floored(curve: Any, stop: float, floor: float, end: float) -> tuple[np.ndarr
     return np.concatenate([s, after]), np.concatenate([v, np.full(after.size, float(floor))])
 
 
-def paired_outcome(treated: Any, control: Any, event: float, horizon: float, *, floor: float,
-                   diverged_at: float | None = None, frac: float = 0.5, recover_frac: float = 0.8,
-                   final_points: int = 3, min_after: int = 2, min_gain: float = 1e-8) -> dict[str, Any]:
-    """One perturbed fork against its control, both read at the same env steps in ``[event, event + horizon]``.
+def paired_outcome(treated: Any, control: Any, event: float, horizon: float, *, floor: float, lag: float = 0.0,
+                   diverged_at: float | None = None, frac: float = 0.5, final_points: int = 3, min_after: int = 2,
+                   min_gain: float = 1e-8) -> dict[str, Any]:
+    """One perturbed fork against its paired control, both read at the same env steps in ``[event, event + horizon]``,
+    allowing the fork to trail its control by up to ``lag`` env steps.
 
-    ``level(t) = (treated(t) - floor) / (control(t) - floor)`` (denominator at least
-    ``min_gain``): 1 = as good as the control at that time, 0 = the prefix's untrained return
-    (``floor``). ``no_drop``: the level never falls below ``frac``; ``recovered``: it did, and its
-    last ``min_after`` points are back at ``recover_frac`` or more (``recovery_time``: env steps from
-    the event to the point from which it stays there); ``collapsed``: it did and is not back by
-    ``event + horizon``; ``no_verdict`` (with ``reason``): the control (or a treated run that did not
-    diverge) ends before ``event + horizon``, or too few points follow the event. A treated run
-    that diverged (``diverged_at``) is at its floor after it stopped: ``min(floor, its worst
-    return)``. ``damage``: treated - control, mean of the last ``final_points`` common points.
-    ``onset``: the env step of the first point in the window whose level is below ``frac`` (where a
-    collapse is first seen against the control; NaN for ``no_drop`` and ``no_verdict``).
+    The reference at env step ``t`` is the control ``lag`` env steps earlier (never before the event):
+    ``reference(t) = control(max(event, t - lag))``; ``level(t) = (treated(t) - floor) / (reference(t) -
+    floor)``, where ``floor`` is the prefix's untrained return (1: as good as the control was ``lag``
+    earlier, 0: back to the untrained return). A fork that is its control delayed by up to ``lag`` (it
+    paused, or learns at the control's rate behind it) keeps a level near 1: a lag is not a loss.
+
+    * ``collapsed``: it ends below ``frac``: the mean of its last ``final_points`` common evaluations
+      over the floor is below ``frac`` times the reference's (it plateaued below ``frac`` of the
+      control's gain, however late it dropped);
+    * ``recovered``: its level fell below ``frac`` somewhere in the window but it does not end below
+      (``recovery_time``: env steps from the event to the point from which it stays at ``frac`` or more);
+    * ``no_drop``: its level never fell below ``frac``;
+    * ``no_verdict`` (with ``reason``): the control, or a treated run that did not diverge, ends before
+      ``event + horizon``; fewer than ``min_after + 1`` common evaluations in the window; or the control
+      has no gain to lose: its reference at the end is at most ``min_gain`` above the floor.
+
+    Points where the reference is at most ``min_gain`` above the floor have no level and are skipped.
+    A treated run that diverged (``diverged_at``) is at its floor after it stopped (``min(floor, its
+    worst return)``). ``damage``: treated - control (not lagged), mean of the last ``final_points``
+    common points; ``onset``: the env step of the first point whose level is below ``frac``;
+    ``end_level``: the ending level the verdict reads; ``min_level``: the lowest level.
     """
     end = float(event) + float(horizon)
     out = {"state": "no_verdict", "collapsed": np.nan, "recovery_time": np.nan, "damage": np.nan,
-           "min_level": np.nan, "onset": np.nan, "end": end, "reason": ""}
+           "min_level": np.nan, "end_level": np.nan, "onset": np.nan, "end": end, "lag": float(lag), "reason": ""}
     if not np.isfinite(end):
         return {**out, "reason": "no horizon"}
     cs, cv = finite_pairs(control)
@@ -91,31 +101,39 @@ def paired_outcome(treated: Any, control: Any, event: float, horizon: float, *, 
     grid = np.union1d(ts, cs)
     grid = grid[(grid >= event) & (grid <= end)]
     t, c = step_at(ts, tv, grid), step_at(cs, cv, grid)
-    ok = np.isfinite(t) & np.isfinite(c)
-    grid, t, c = grid[ok], t[ok], c[ok]
+    r = step_at(cs, cv, np.maximum(float(event), grid - float(lag)))
+    ok = np.isfinite(t) & np.isfinite(c) & np.isfinite(r)
+    grid, t, c, r = grid[ok], t[ok], c[ok], r[ok]
     if grid.size < min_after + 1:
         return {**out, "reason": f"{grid.size} common evaluations in the window, fewer than {min_after + 1}"}
-    level = (t - floor) / np.maximum(c - floor, min_gain)
-    below = level < frac
-    out.update(damage=float(np.mean(t[-final_points:] - c[-final_points:])), min_level=float(level.min()))
+    out["damage"] = float(np.mean(t[-final_points:] - c[-final_points:]))
+    gain_end = float(np.mean(r[-final_points:])) - floor
+    if not gain_end > min_gain:
+        return {**out, "reason": f"the control has no gain to lose: {gain_end:.3g} over the floor {floor:.4g} at the "
+                                 f"end, at most {min_gain:.3g}"}
+    judged = r - floor > min_gain
+    level = np.where(judged, (t - floor) / np.where(judged, r - floor, 1.0), np.nan)
+    end_level = (float(np.mean(t[-final_points:])) - floor) / gain_end
+    below = judged & (level < frac)
+    out.update(min_level=float(np.nanmin(level)), end_level=end_level)
     if not below.any():
         return {**out, "state": "no_drop", "collapsed": 0.0}
     out["onset"] = float(grid[np.argmax(below)])
-    if (level[-min_after:] >= recover_frac).all():
-        back = level >= recover_frac
-        last_bad = np.flatnonzero(~back)[-1]
-        return {**out, "state": "recovered", "collapsed": 0.0, "recovery_time": float(grid[last_bad + 1] - event)}
-    return {**out, "state": "collapsed", "collapsed": 1.0}
+    if end_level < frac:
+        return {**out, "state": "collapsed", "collapsed": 1.0}
+    last_bad = np.flatnonzero(below)[-1]
+    back = grid[last_bad + 1] if last_bad + 1 < grid.size else end
+    return {**out, "state": "recovered", "collapsed": 0.0, "recovery_time": float(back - event)}
 
 
 def paired_table(ds: xr.Dataset, table, *, horizon: Mapping[str, float], floors: Mapping[str, float],
-                 prefix_of: Mapping[str, str], **kw: Any):
-    """:func:`paired_outcome` of every perturbed row of ``table`` (:func:`.runs.summarize` of the
-    runs of ``ds``, a ``load_runs`` Dataset) against its control (the unperturbed fork with the
-    same :data:`PAIR_KEY`). ``horizon``: per learner (:func:`.design.horizons`); ``floors``: per
-    run, its prefix's untrained return; ``prefix_of``: run -> its prefix's hash (the unit).
-    One row per perturbed run: its keys (``noise_after_fork`` among them: the knob its fork and control
-    ran with), ``control``, ``prefix``, ``event``, ``horizon`` and the outcome."""
+                 prefix_of: Mapping[str, str], lag: Mapping[str, float] | None = None, **kw: Any):
+    """:func:`paired_outcome` of every perturbed row of ``table`` (:func:`.runs.run_table` of the
+    runs of ``ds``, a ``load_runs`` Dataset) against its control (the unperturbed run with the same
+    :data:`PAIR_KEY`). ``horizon`` and ``lag`` (env steps): per run (spec hash) or per learner (the
+    run's own first); ``floors``: per run, its prefix's untrained return; ``prefix_of``: run -> its
+    prefix (the unit). One row per perturbed run: its keys (``noise_after_fork`` among them: the knob
+    its fork and control ran with), ``control``, ``prefix``, ``event``, ``horizon`` and the outcome."""
     key = [k for k in PAIR_KEY if k in table]
     controls = table[table.pert_kind == "none"].drop_duplicates(key).set_index(key)["spec_hash"]
     index = {str(h): i for i, h in enumerate(ds.run.values)}
@@ -126,25 +144,26 @@ def paired_table(ds: xr.Dataset, table, *, horizon: Mapping[str, float], floors:
         h, a = str(r.spec_hash), str(r.learner)
         base = {"spec_hash": h, "control": ctrl, "prefix": prefix_of.get(h), "learner": a, "seed": r.get("seed"),
                 "pert_kind": r.pert_kind, "pert_dose": r.pert_dose, "noise_after_fork": r.get("noise_after_fork", "same"),
-                "event": float(r.pert_start),
-                "horizon": float(horizon.get(a, np.nan))}
+                "event": float(r.pert_start), "horizon": float(horizon.get(h, horizon.get(a, np.nan)))}
         if ctrl is None or str(ctrl) not in index:
             rows.append({**base, "state": "no_verdict", "collapsed": np.nan, "reason": "no paired control"})
             continue
         stop = stop_env_step(ds, index[h]) if r.get("status") == "diverged" else None
         res = paired_outcome(eval_curves(ds.isel(run=index[h])).isel(run=0),
                              eval_curves(ds.isel(run=index[str(ctrl)])).isel(run=0), base["event"], base["horizon"],
-                             floor=float(floors.get(h, np.nan)), diverged_at=stop, **kw)
+                             floor=float(floors.get(h, np.nan)), diverged_at=stop,
+                             lag=float((lag or {}).get(h, (lag or {}).get(a, 0.0))), **kw)
         rows.append({**base, **res})
     return pd.DataFrame(rows)
 
 
-def stated_outcomes(ds: xr.Dataset, table, **kw: Any):
-    """Paired outcomes of the claim as stated (:func:`paired_table`): each spiked fresh run
-    (rows of ``table``, :func:`.runs.summarize` of ``ds``) against the unperturbed run of its seed over
-    ``[spike, end of the budget]`` (the control's last evaluation), read at the same env steps; the
-    floor is the control's first evaluation (the untrained policy) and the unit its seed (a fresh run
-    is its own prefix)."""
+def stated_outcomes(ds: xr.Dataset, table: pd.DataFrame, *, lag_frac: float = 0.0, **kw: Any) -> pd.DataFrame:
+    """Paired outcomes of the claim as stated (:func:`paired_table`): each spiked fresh run of ``table``
+    (:func:`.runs.run_table` of ``ds``) against the unperturbed run of its seed (the arm's matching
+    prefix: same seed and hyperparameters, unperturbed), read at the same env steps over
+    ``[spike, end]``, the end being the earlier of the two runs' last evaluations; ``lag_frac`` of that
+    window is the lag it may trail by. The floor is the control's first evaluation (the untrained
+    policy) and the unit its seed (a fresh run is its own prefix)."""
     if not len(table):
         return paired_table(ds, table, horizon={}, floors={}, prefix_of={}, **kw)
     key = [k for k in PAIR_KEY if k in table]
@@ -158,30 +177,14 @@ def stated_outcomes(ds: xr.Dataset, table, **kw: Any):
         unit[r.spec_hash] = f"{r.learner} seed {r.seed}"
         if c is None or str(c) not in index:
             continue
-        end = stop_env_step(ds, index[str(c)])
-        horizon[r.learner] = min(horizon.get(r.learner, np.inf), end - float(r.pert_start))
+        end = min(stop_env_step(ds, index[str(c)]), stop_env_step(ds, index[str(r.spec_hash)]))
+        horizon[r.spec_hash] = end - float(r.pert_start)
         floors[r.spec_hash] = float(untrained.get(c, np.nan))
-    return paired_table(ds, table, horizon=horizon, floors=floors, prefix_of=unit, **kw)
+    lag = {h: lag_frac * w for h, w in horizon.items()}
+    return paired_table(ds, table, horizon=horizon, floors=floors, prefix_of=unit, lag=lag, **kw)
 
 
 # -- the drop rule and the outcomes over what each fork ran ----------------------------------------
-
-
-def dropped_forks(short_outcomes, table) -> list[str]:
-    """Spec hashes of the short forks to run on to H (:func:`.design.to_horizon`): those whose return fell
-    below the paired control's (``collapse_frac`` of its gain) inside their short window.
-
-    ``short_outcomes``: :func:`paired_table` of the short forks
-    with ``horizon`` = their window; a drop is state ``collapsed`` or ``recovered`` there (a return
-    that came back within the window may fall again). ``table``: :func:`.runs.summarize` of the same runs
-    (their ``status``). A fork that diverged is not run on: it stopped, and it is at its floor from
-    then on over any horizon. No verdict in the window (no control, too few evaluations) extends
-    nothing: that fork has no verdict over H either, and says why."""
-    if not len(short_outcomes):
-        return []
-    diverged = set(table.spec_hash[table["status"] == "diverged"]) if "status" in table else set()
-    drop = short_outcomes.state.isin(["collapsed", "recovered"]) & ~short_outcomes.spec_hash.isin(diverged)
-    return [str(h) for h in short_outcomes.spec_hash[drop]]
 
 
 def horizon_outcomes(ds: xr.Dataset, table, *, horizon: Mapping[str, float], window: Mapping[str, float],
@@ -192,7 +195,8 @@ def horizon_outcomes(ds: xr.Dataset, table, *, horizon: Mapping[str, float], win
     its ``window`` (per arm), where it did not drop (``no_drop``: not collapsed), and a short fork
     that dropped there but was not run to H has no verdict (with that reason). Column
     ``judged_over``: ``"H"`` or ``"short window"``; ``dropped``: a short fork whose return fell below
-    ``frac`` of the control's gain inside its window (what :func:`dropped_forks` runs on to H)."""
+    ``frac`` of the control's gain inside its window (:class:`.plan.ForkPlan` runs it on to H). A fork
+    that diverged is judged over H: it stopped, and it is at its floor from then on."""
     ctrl = table.pert_kind == "none"
     longer = table.spec_hash.isin(set(long))
     if "status" in table:
@@ -316,33 +320,6 @@ def dose_brackets(per_prefix, *, kind: str | None = "lr_spike", dose_col: str = 
     return pd.DataFrame(rows, columns=["learner", "prefix", "doses", "low", "high", "where", "monotone"])
 
 
-def bisection_doses(per_prefix, *, points: int = 1, kind: str | None = "lr_spike", dose_col: str = "pert_dose",
-                    control_dose: float = CONTROL_DOSE):
-    """The next doses to fork each prefix at, inside its bracket (:func:`dose_brackets`), as a tidy
-    table ``(learner, prefix, dose, low, high, where)``: the ``points`` doses that split the bracket
-    into equal steps of log dose (:func:`.design.geometric_points`,
-    3 significant digits).
-
-    Two ways to spend two bisection forks per prefix (the notebook chooses): ``points=2`` once (both
-    forks in one round; the bracket shrinks to ``(high / low) ** (1 / 3)``, 1.49 for the grid's 10/3)
-    or ``points=1`` twice (two rounds, the second on the outcomes of the first: ``(high / low) **
-    (1 / 4)``, 1.35). Prefixes above the grid get none (right-censored: no upper end to bisect
-    towards; they rank above every bracketed prefix in :func:`critical_dose_claim`), nor those
-    without data; one below the grid is bisected between the control and its smallest dose. A
-    dose the prefix was already forked at is not proposed again."""
-    tested = {(a, p): set(g[dose_col].to_numpy(float)) for (a, p), g in _of_kind(per_prefix, kind, dose_col)
-              .groupby(["learner", "prefix"])} if len(per_prefix) else {}
-    rows = []
-    for r in dose_brackets(per_prefix, kind=kind, dose_col=dose_col, control_dose=control_dose).itertuples():
-        if r.where not in ("bracketed", "below the grid"):
-            continue
-        for d in geometric_points(r.low, r.high, points):
-            if r.low < d < r.high and d not in tested.get((r.learner, r.prefix), ()):
-                rows.append({"learner": r.learner, "prefix": r.prefix, "dose": d, "low": r.low, "high": r.high,
-                             "where": r.where})
-    return pd.DataFrame(rows, columns=["learner", "prefix", "dose", "low", "high", "where"])
-
-
 def base_lr(learner: str, hparams: Mapping[str, Any] | None = None) -> float:
     """The learning rate an lr-spike factor multiplies: ``hparams["lr"]`` (a run's explicit
     hyperparameters) or the learner's default (:mod:`stabstudy.hparams`)."""
@@ -385,29 +362,8 @@ def prefix_critical_doses(prefix_rows, dose_col: str = "pert_dose", *, kind: str
 # -- claim (c): the paired change of each prefix's outcome with its noise knob ---------------------
 
 
-def knob_dose_changes(default, raised):
-    """Claim (c)'s outcome, rule 1: the paired change of each prefix's critical dose when its noise
-    knob is raised (``default`` and ``raised``: :func:`prefix_critical_doses` of the same prefixes at
-    the default knob and at the raised one; each bisected at its own knob). One row per learner and
-    prefix in both: ``low0``/``high0``/``dose0`` and ``low1``/``high1``/``dose1``, ``log10_change``
-    (log10 of dose1 / dose0; NaN when both are above the grid) and ``direction``: +1 when the raised
-    knob's bracket lies wholly above the default's (``low1 >= high0``), -1 wholly below (``high1 <=
-    low0``), 0 when the brackets overlap (unresolved: the design cannot tell; both above the grid
-    too), NaN when either has no data."""
-    key = ["learner", "prefix"]
-    cols = ["low", "high", "dose", "where"]
-    m = default[key + cols].merge(raised[key + cols], on=key, suffixes=("0", "1"))
-    lo0, hi0, lo1, hi1 = (m[c].to_numpy(float) for c in ("low0", "high0", "low1", "high1"))
-    missing = (m.where0 == "no data") | (m.where1 == "no data")
-    direction = np.where(lo1 >= hi0, 1.0, np.where(hi1 <= lo0, -1.0, 0.0))
-    m["direction"] = np.where(missing, np.nan, direction)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        m["log10_change"] = np.log10(m.dose1.to_numpy(float) / m.dose0.to_numpy(float))
-    return m.drop(columns=["where0", "where1"])
-
-
 def knob_collapse_changes(default, raised, dose: float, *, kind: str = "lr_spike", dose_col: str = "pert_dose"):
-    """Claim (c)'s outcome, rule 2 (one dose instead of a bisection per knob level): the paired change
+    """Claim (c)'s outcome: the paired change
     of each prefix's collapse at ``dose`` (``default`` and ``raised``: :func:`by_prefix`
     rows at the two knob levels). One row per learner and prefix in both: ``collapsed0``, ``collapsed1`` and
     ``direction`` +1 (collapsed at the default knob, not at the raised: buffered), -1 (the reverse), 0

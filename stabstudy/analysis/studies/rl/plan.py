@@ -2,71 +2,72 @@
 
 The study is adaptive: which forks run next depends on what the last ones showed. A plan is a frozen
 table of :class:`Fork` rows (spec, arm, prefix, role, what it is judged over) and two pure steps,
-:meth:`ForkPlan.first_round` and :meth:`ForkPlan.next_round` (the outcomes of every fork so far in,
-the plan with the next round's forks out); :meth:`ForkPlan.judge` computes those outcomes from the
-runs. The notebook's loop::
+:meth:`ForkPlan.first_round` and :meth:`ForkPlan.next_round` (the outcomes of every fork so far in, the
+plan with the next round's forks out); :meth:`ForkPlan.judge` computes those outcomes from the runs.
+The notebook's loop::
 
-    plan = ForkPlan.of(design, hparams, horizon, prefixes).first_round()
+    plan = ForkPlan.of(design, hparams, prefixes).first_round()
     while plan.new:
         run_grid(plan.new)
         plan = plan.next_round(plan.judge(load_runs(plan.specs), prefix_ds))
 
-The rounds: the grids of every regime (:meth:`.design.ForkDesign.grids`: controls and the claim's
-dose to H, every other fork short); the short forks that dropped below their control within their
-window, run on to H (:func:`.design.to_horizon`; kinds of ``extend_kinds``); claim (b)'s bisection
-forks inside each prefix's bracket (:func:`.outcomes.bisection_doses`); those of them that dropped,
-run on to H. A round without forks is skipped.
+The rounds: the first forks of every matched prefix (:meth:`.design.ForkDesign.first_forks`: its control
+to H; the claim's dose, lr ramps, env-side kinds and the noise grid short); then, for each step of
+``dose_steps``, the short forks that dropped below their control within their window run on to H
+(:func:`.design.to_horizon`, kinds of ``extend_kinds``), then each prefix's next lr-spike dose from its
+outcome at the last one (:meth:`.design.ForkDesign.next_dose`: down after a collapse, up after none, so
+no prefix is forked above a dose it collapsed at); a last round runs the last doses' drops on to H. A
+prefix without a verdict at a dose gets no further dose. A round without forks is skipped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import xarray as xr
 
 from stabstudy.analysis.studies.rl.curves import eval_curves, return_reference
 from stabstudy.analysis.studies.rl.design import ForkDesign, arms_of, to_horizon, with_arms
-from stabstudy.analysis.studies.rl.outcomes import bisection_doses, by_prefix, horizon_outcomes
+from stabstudy.analysis.studies.rl.outcomes import horizon_outcomes
 from stabstudy.analysis.studies.rl.runs import run_table
 from stabstudy.spec import RunSpec
 
-#: What a fork is for: the unperturbed fork of its prefix (``control``), a fork run to H from the start
-#: (``to H``), one that runs its short window first (``short``), a short fork run on to H after it dropped
-#: (``extension``).
-ROLES = ("control", "to H", "short", "extension")
-#: The rounds, in order; a plan's ``stage`` is the last one it holds.
-STAGES = ("grids", "extensions", "bisection", "bisection extensions", "done")
-#: The groups whose forks claim (b)'s brackets read.
-LR_GROUPS = ("lr_spike to H", "lr_spike short")
-#: Every group of a regime's forks: :meth:`.design.ForkDesign.grids`' and the bisection's.
-GROUPS = (*LR_GROUPS, "lr_ramp", "action_noise", "reward_scale", "noise", "lr_spike bisection")
+#: What a fork is for: the unperturbed fork of its prefix, run to H (``control``); a perturbed fork that
+#: runs its short window first (``short``); a short fork run on to H after it dropped (``extension``).
+ROLES = ("control", "short", "extension")
+#: The groups of a plan's forks.
+GROUPS = ("control", "lr_spike", "lr_ramp", "action_noise", "reward_scale", "noise")
 
 
 @dataclass(frozen=True)
 class Fork:
-    """One row of a :class:`ForkPlan`: a fork in one regime's grid."""
+    """One row of a :class:`ForkPlan`."""
 
     spec: RunSpec
     """what runs"""
     arm: str
     """its arm (a learner, or a variant such as ``ppo-tuned``)"""
     prefix: str
-    """spec hash of the prefix it continues: the independent unit"""
+    """spec hash of the matching prefix it continues: the independent unit"""
     role: str
     """one of :data:`ROLES`"""
-    judged_over: str
-    """``"H"`` or ``"short window"``: what its outcome is read over"""
-    regime: str
-    """the prefix regime (:func:`.design.regimes`) whose grid holds it"""
     group: str
-    """the grid it belongs to (``"lr_spike to H"``, ``"lr_spike short"``, ``"lr_spike bisection"``, ``"lr_ramp"``, ...)"""
+    """one of :data:`GROUPS`"""
     round: int
-    """the round it was planned in (1: the grids)"""
+    """the round it was planned in (1: the first forks)"""
+    step: int = -1
+    """an lr-spike fork of the main grid: its place in its prefix's dose sequence (0: the claim's dose); else -1"""
     replaces: str = ""
     """an extension: the spec hash of the short fork it runs on to H"""
+
+    @property
+    def judged_over(self) -> str:
+        """``"H"`` or ``"short window"``: what its outcome is read over."""
+        return "short window" if self.role == "short" else "H"
 
 
 @dataclass(frozen=True)
@@ -74,29 +75,27 @@ class ForkPlan:
     """Notebook 01's forks so far and the rule for the next round (module docstring)."""
 
     design: ForkDesign
-    """the grids, doses and rules"""
+    """the design, fixed before the runs"""
     hparams: Mapping[str, Mapping[str, Any]]
     """per arm, the hyperparameters its specs are built with"""
-    horizon: Mapping[str, Mapping[str, int]]
-    """per regime and arm, H in env steps after the event (:meth:`.design.ForkDesign.horizon`)"""
-    prefixes: Mapping[str, RunSpec]
-    """spec hash -> prefix spec (every arm, seed and regime)"""
+    prefixes: tuple[tuple[str, str, int, int], ...]
+    """one ``(spec_hash, arm, seed, steps)`` per matching prefix with forks (``steps``: where it stopped)"""
     rows: tuple[Fork, ...] = ()
     """every fork planned so far, in the order planned"""
     stage: str = "start"
-    """the last round planned: ``"start"`` or one of :data:`STAGES`"""
-    prefix_arms: Mapping[str, str] = field(default_factory=dict)
-    """prefix spec hash -> arm"""
+    """the last round planned: ``"start"``, ``"first"``, ``"extensions"``, ``"dose"`` or ``"done"``"""
+    dose_step: int = 0
+    """the last dose step planned (0: the claim's dose)"""
 
     @classmethod
-    def of(cls, design: ForkDesign, hparams: Mapping[str, Mapping[str, Any]], horizon: Mapping[str, Mapping[str, int]],
-           prefixes: Sequence[RunSpec]) -> ForkPlan:
-        """A plan with no forks yet. ``prefixes``: the prefix specs of every regime (stored or not)."""
-        unknown = sorted(set(design.regimes()) - set(horizon))
-        if unknown:
-            raise ValueError(f"no horizon for regime(s) {unknown}; regimes: {', '.join(design.regimes())}")
-        return cls(design, dict(hparams), {r: dict(h) for r, h in horizon.items()}, {p.spec_hash: p for p in prefixes},
-                   prefix_arms=arms_of(prefixes, hparams))
+    def of(cls, design: ForkDesign, hparams: Mapping[str, Mapping[str, Any]], prefixes: pd.DataFrame) -> ForkPlan:
+        """A plan with no forks yet. ``prefixes``: the matching prefixes to fork (columns ``spec_hash``,
+        ``arm``, ``seed``, ``steps``: where each stopped); leave out those not to fork (diverged)."""
+        missing = sorted({"spec_hash", "arm", "seed", "steps"} - set(prefixes))
+        if missing:
+            raise ValueError(f"prefixes needs the columns {', '.join(missing)}")
+        rows = tuple((str(r.spec_hash), str(r.arm), int(r.seed), int(r.steps)) for r in prefixes.itertuples())
+        return cls(design, {a: dict(h) for a, h in hparams.items()}, rows)
 
     # -- views -------------------------------------------------------------------------------
 
@@ -118,143 +117,140 @@ class ForkPlan:
     @property
     def arms(self) -> dict[str, str]:
         """Spec hash -> arm, of the prefixes and every fork."""
-        return {**self.prefix_arms, **{f.spec.spec_hash: f.arm for f in self.rows}}
+        return {**{h: a for h, a, _, _ in self.prefixes}, **{f.spec.spec_hash: f.arm for f in self.rows}}
 
     @property
     def prefix_of(self) -> dict[str, str]:
-        """Fork spec hash -> its prefix's spec hash."""
+        """Fork spec hash -> its prefix's (the matching prefix's) spec hash."""
         return {f.spec.spec_hash: f.prefix for f in self.rows}
 
     @property
     def long(self) -> set[str]:
-        """Spec hashes of the forks that ran to their event + H."""
-        return {f.spec.spec_hash for f in self.rows if f.judged_over == "H"}
+        """Spec hashes of the forks that ran to their event + H (a short fork whose window reaches H among them)."""
+        return {f.spec.spec_hash for f in self.rows if f.judged_over == "H" or self._reaches_h(f)}
+
+    def _reaches_h(self, f: Fork) -> bool:
+        return bool(f.spec.perturbations) and to_horizon(f.spec, self.design.h(f.arm, self.hparams[f.arm])) == f.spec
+
+    def prefix_steps(self) -> dict[str, dict[int, int]]:
+        """Arm -> seed -> the env step its prefix stopped at (where its forks start)."""
+        out: dict[str, dict[int, int]] = {}
+        for _, arm, seed, steps in self.prefixes:
+            out.setdefault(arm, {})[seed] = steps
+        return out
+
+    def window(self) -> dict[str, int]:
+        """Per arm, the env steps a short fork runs from its event."""
+        return {a: self.design.window(a, self.hparams[a]) for a in self.design.algos}
+
+    def horizon(self) -> dict[str, int]:
+        """Per arm, H (:meth:`.design.ForkDesign.h`)."""
+        return {a: self.design.h(a, self.hparams[a]) for a in self.design.algos}
+
+    def lag(self) -> dict[str, float]:
+        """Per arm, the env steps a fork may trail its control by."""
+        return {a: self.design.lag(a, self.hparams[a]) for a in self.design.algos}
+
+    def final(self) -> dict[str, list[RunSpec]]:
+        """Per group (:data:`GROUPS`), the forks every table reads: each short fork that ran on to H
+        replaced by its run to H."""
+        ext = {f.replaces: f.spec for f in self.rows if f.role == "extension"}
+        out: dict[str, list[RunSpec]] = {g: [] for g in GROUPS}
+        for f in self.rows:
+            if f.role != "extension":
+                spec = ext.get(f.spec.spec_hash, f.spec)
+                if spec not in out[f.group]:
+                    out[f.group].append(spec)
+        return out
 
     def table(self) -> pd.DataFrame:
-        """The rows as a table: ``spec_hash``, ``arm``, ``prefix``, ``role``, ``judged_over``, ``regime``,
-        ``group``, ``round``, ``replaces``, the perturbation's ``kind`` and ``dose`` (``none`` and 1 for a control)."""
-        cols = ["spec_hash", "arm", "prefix", "role", "judged_over", "regime", "group", "round", "replaces", "kind", "dose"]
-        return pd.DataFrame([{"spec_hash": f.spec.spec_hash, "arm": f.arm, "prefix": f.prefix, "role": f.role,
-                              "judged_over": f.judged_over, "regime": f.regime, "group": f.group, "round": f.round,
-                              "replaces": f.replaces,
+        """The rows as a table: ``spec_hash``, ``arm``, ``prefix``, ``seed``, ``role``, ``judged_over``,
+        ``group``, ``round``, ``step``, ``replaces``, the perturbation's ``kind`` and ``dose``."""
+        cols = ["spec_hash", "arm", "prefix", "seed", "role", "judged_over", "group", "round", "step", "replaces",
+                "kind", "dose"]
+        return pd.DataFrame([{"spec_hash": f.spec.spec_hash, "arm": f.arm, "prefix": f.prefix, "seed": f.spec.seed,
+                              "role": f.role, "judged_over": f.judged_over, "group": f.group, "round": f.round,
+                              "step": f.step, "replaces": f.replaces,
                               "kind": f.spec.perturbations[0].kind if f.spec.perturbations else "none",
                               "dose": f.spec.perturbations[0].dose if f.spec.perturbations else 1.0}
                              for f in self.rows], columns=cols)
 
-    def window(self) -> dict[str, int]:
-        """Per arm, the env steps a short fork runs from its event (:meth:`.design.ForkDesign.window`)."""
-        return {a: self.design.window(a, self.hparams[a]) for a in self.design.algos}
-
-    def final(self) -> dict[str, dict[str, list[RunSpec]]]:
-        """Per regime and group, the forks every table reads: each short fork that ran on to H replaced
-        by its run to H (every group of :data:`GROUPS`, empty or not)."""
-        ext = {(f.regime, f.replaces): f.spec for f in self.rows if f.role == "extension"}
-        out = {r: {g: [] for g in GROUPS} for r in dict.fromkeys(f.regime for f in self.rows)}
-        for f in self.rows:
-            if f.role == "extension":
-                continue
-            group = out[f.regime][f.group]
-            spec = ext.get((f.regime, f.spec.spec_hash), f.spec)
-            if spec not in group:
-                group.append(spec)
-        return out
-
     # -- the rounds --------------------------------------------------------------------------
 
     def first_round(self) -> ForkPlan:
-        """The plan with the grids of every regime (:meth:`.design.ForkDesign.grids`, the second
-        regime's lr grids only)."""
+        """The plan with the first forks of every prefix (:meth:`.design.ForkDesign.first_forks`)."""
         if self.stage != "start":
             raise ValueError(f"the first round is planned already (stage {self.stage!r})")
+        prefix = {(arm, seed): h for h, arm, seed, _ in self.prefixes}
         rows = []
-        for r, pre in self.design.regimes().items():
-            grids = self.design.grids(self.hparams, self.horizon[r], prefix=pre, lr_only=r != "return-matched")
-            arms = arms_of([s for v in grids.values() for s in v], self.hparams)
-            for group, specs in grids.items():
-                for s in specs:
-                    role = "control" if not s.perturbations else "to H" if group == "lr_spike to H" else "short"
-                    rows.append(self._fork(s, arms[s.spec_hash], role, r, group, 1))
-        return replace(self, rows=tuple(rows), stage="grids")
+        for group, specs in self.design.first_forks(self.hparams, self.prefix_steps()).items():
+            arms = arms_of(specs, self.hparams)
+            for s in specs:
+                arm = arms[s.spec_hash]
+                step = 0 if group == "lr_spike" else -1
+                rows.append(Fork(s, arm, prefix[(arm, s.seed)], "control" if not s.perturbations else "short",
+                                 group, 1, step))
+        return replace(self, rows=tuple(rows), stage="first")
 
     def next_round(self, outcomes: pd.DataFrame) -> ForkPlan:
         """The plan with the next round that has forks (or ``stage`` "done"), from ``outcomes``: the
-        paired outcomes of every fork so far (:meth:`judge`; columns ``regime``, ``spec_hash``,
-        ``dropped``, and for the bisection ``learner`` (the arm), ``prefix``, ``pert_kind``, ``pert_dose``,
+        paired outcomes of every fork so far (:meth:`judge`; columns ``spec_hash``, ``dropped`` and
         ``collapsed``). Pure: the same plan and outcomes give the same next round."""
         if self.stage == "start":
             raise ValueError("plan the first round first (first_round)")
         plan = self
         while plan.stage != "done":
-            stage = STAGES[STAGES.index(plan.stage) + 1]
-            rows = {"extensions": plan._extensions, "bisection extensions": plan._extensions,
-                    "bisection": plan._bisection, "done": lambda _: []}[stage](outcomes)
-            plan = replace(plan, rows=plan.rows + tuple(rows), stage=stage)
-            if rows:
+            if plan.stage in ("first", "dose"):
+                plan = replace(plan, rows=plan.rows + tuple(plan._extensions(outcomes)), stage="extensions")
+            elif plan.dose_step < len(plan.design.dose_steps):
+                plan = replace(plan, rows=plan.rows + tuple(plan._doses(outcomes)), stage="dose",
+                               dose_step=plan.dose_step + 1)
+            else:
+                plan = replace(plan, stage="done")
+            if plan.round > self.round:
                 break
         return plan
-
-    def _fork(self, spec: RunSpec, arm: str, role: str, regime: str, group: str, rnd: int, replaces: str = "") -> Fork:
-        key = (arm, spec.seed, int(spec.hp["prefix_steps"]))
-        prefix = [h for h, p in self.prefixes.items() if (self.prefix_arms[h], p.seed, p.steps) == key]
-        if len(prefix) != 1:
-            raise ValueError(f"{spec.label}: {len(prefix)} prefixes of arm {arm}, seed {spec.seed} and "
-                             f"{key[2]} env steps among the plan's prefixes (want 1)")
-        return Fork(spec, arm, prefix[0], role, "H" if role in ("control", "to H", "extension") else "short window",
-                    regime, group, rnd, replaces)
 
     def _extensions(self, outcomes: pd.DataFrame) -> list[Fork]:
         """The short forks of the last round that dropped within their window, run on to H."""
         dropped = set(outcomes.spec_hash[outcomes["dropped"].astype(bool)]) if len(outcomes) else set()
         rows = []
         for f in self.rows:
-            if f.round != self.round or f.role != "short" or f.spec.spec_hash not in dropped:
-                continue
-            if f.spec.perturbations[0].kind not in self.design.extend_kinds:
-                continue
-            ext = to_horizon(f.spec, self.horizon[f.regime][f.arm])
-            rows.append(replace(f, spec=ext, role="extension", judged_over="H", round=self.round + 1,
-                                replaces=f.spec.spec_hash))
+            if f.round == self.round and f.role == "short" and f.spec.spec_hash in dropped and \
+                    f.spec.perturbations[0].kind in self.design.extend_kinds:
+                ext = to_horizon(f.spec, self.design.h(f.arm, self.hparams[f.arm]))
+                if ext != f.spec:  # a short window as long as H is its run to H already
+                    rows.append(replace(f, spec=ext, role="extension", round=self.round + 1, replaces=f.spec.spec_hash))
         return rows
 
-    def _bisection(self, outcomes: pd.DataFrame) -> list[Fork]:
-        """Claim (b)'s bisection forks: ``bisections`` doses inside each prefix's bracket, per regime."""
-        if not self.design.bisections or not len(outcomes):
-            return []
+    def _doses(self, outcomes: pd.DataFrame) -> list[Fork]:
+        """Each prefix's next lr-spike dose, from its verdict at its last one (over what that fork ran)."""
+        verdict = dict(zip(outcomes.spec_hash, outcomes.collapsed.to_numpy(float), strict=True)) if len(outcomes) else {}
+        ext = {f.replaces: f.spec.spec_hash for f in self.rows if f.role == "extension"}
+        steps = self.prefix_steps()
         rows = []
-        for r, groups in self.final().items():
-            lr = {s.spec_hash for g in LR_GROUPS for s in groups.get(g, [])}
-            out = outcomes[(outcomes.regime == r) & outcomes.spec_hash.isin(lr)]
-            doses = bisection_doses(by_prefix(out), points=self.design.bisections)
-            specs = self.design.bisection_forks(self.hparams, doses, self.prefixes)
-            arms = arms_of(specs, self.hparams)
-            rows += [self._fork(s, arms[s.spec_hash], "short", r, "lr_spike bisection", self.round + 1) for s in specs]
+        for f in self.rows:
+            if f.step != self.dose_step or f.role == "extension":
+                continue
+            c = verdict.get(ext.get(f.spec.spec_hash, f.spec.spec_hash), np.nan)
+            dose = self.design.next_dose(f.spec.perturbations[0].dose, self.dose_step, bool(c)) if np.isfinite(c) else None
+            if dose is None:
+                continue
+            (spec,) = self.design.forks(self.hparams, steps, f.arm, [f.spec.seed], [("lr_spike", dose)], to_h=False)
+            rows.append(Fork(spec, f.arm, f.prefix, "short", "lr_spike", self.round + 1, self.dose_step + 1))
         return rows
 
     # -- judging a round ---------------------------------------------------------------------
 
     def judge(self, ds: xr.Dataset, prefix_ds: xr.Dataset) -> pd.DataFrame:
-        """The paired outcomes of every fork of the plan (:func:`.outcomes.horizon_outcomes`, per
-        regime over its H, a column ``regime``): ``ds`` holds the forks' runs
-        (``stabstudy.run.store.load_runs``), ``prefix_ds`` the prefixes' (their untrained returns
-        are the floors)."""
+        """The paired outcomes of every fork of the plan (:func:`.outcomes.horizon_outcomes` over H, or
+        the short window, with the design's lag, ``collapse_frac`` and least gain): ``ds`` holds the
+        forks' runs (``stabstudy.run.store.load_runs``), ``prefix_ds`` the matching prefixes' (their
+        first evaluations, the untrained policies, are the floors)."""
         ds = with_arms(ds, self.arms)
         prefix_of = self.prefix_of
         floors, _ = return_reference(prefix_ds, eval_curves(ds), prefix_of)
-        table = run_table(ds)
-        parts = []
-        for r, groups in self.judged_groups().items():
-            rows = table[table.spec_hash.isin(groups)]
-            out = horizon_outcomes(ds, rows, horizon=self.horizon[r], window=self.window(), long=self.long,
-                                   floors=floors, prefix_of=prefix_of, frac=self.design.collapse_frac,
-                                   recover_frac=self.design.recover_frac)
-            if len(out):
-                parts.append(out.assign(regime=r))
-        return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=["regime", "spec_hash", "dropped"])
-
-    def judged_groups(self) -> dict[str, set[str]]:
-        """Per regime, the spec hashes of its forks (a noise-grid fork pairs with the control of its own
-        knob level, :data:`.outcomes.PAIR_KEY`, never with the main grid's)."""
-        out: dict[str, set[str]] = {}
-        for f in self.rows:
-            out.setdefault(f.regime, set()).add(f.spec.spec_hash)
-        return out
+        out = horizon_outcomes(ds, run_table(ds), horizon=self.horizon(), window=self.window(), long=self.long,
+                               floors=floors, prefix_of=prefix_of, lag=self.lag(), frac=self.design.collapse_frac,
+                               min_gain=self.design.no_gain)
+        return out if len(out) else pd.DataFrame(columns=["spec_hash", "dropped", "collapsed"])

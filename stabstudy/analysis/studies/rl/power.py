@@ -1,21 +1,19 @@
-"""Notebook 01's power: of its rate comparisons, its rank test of critical doses and its sign test,
-and the number of prefixes that gives it.
+"""Notebook 01's power: what its design can decide, and with how many prefixes.
 
 The independent unit of the RL comparison is the separately trained prefix (forks of one prefix
-share its training, so they are not independent replicates). A claim such as "PPO collapses at
-a dose where SAC and TD3 do not" is decided by one-sided Boschloo tests over prefixes (one
-verdict per prefix per arm), and every such test must reject. :func:`boschloo_power` is the
-probability of that, for planning rates, by simulation (``scipy.stats.boschloo_exact`` on each
-simulated table) or exactly (every outcome enumerated, weighted by its binomial probability;
-the number simulation converges to). :func:`prefixes_for_power` is the smallest number of
-prefixes per arm that reaches a target power.
+share its training, so they are not independent replicates). Claim (a), "PPO collapses at a dose
+where SAC and TD3 do not", is decided by one-sided Boschloo tests over prefixes (one verdict per
+prefix per arm), every one of which must reject for "supported": :func:`boschloo_power` is the
+probability of that at planning rates, exactly (every outcome enumerated, weighted by its binomial
+probability) or by simulation; :func:`prefixes_for_power` the smallest number of prefixes per arm that
+reaches a target power. The power of the rule as the claims table applies it (both verdicts, at the
+family's level) is :func:`stabstudy.analysis.power.rates`.
 
-Claim (b), "PPO's critical dose is lower", is a rank test over prefixes of each prefix's critical
-dose as the design measures it: the grid :data:`DOSE_GRID`, bisected at geometric midpoints
-(:func:`stabstudy.analysis.studies.rl.design.geometric_points`, :func:`measured_critical_dose`);
-:func:`critical_dose_power` simulates it (:func:`stabstudy.analysis.stats.smallest_p` says when no
-outcome could decide). Claim (c) counts prefixes whose critical dose (or collapse) moved up or down
-with the noise knob: :func:`sign_test_power`.
+Claim (b), "PPO's critical dose is lower", compares each prefix's critical dose as the design measures
+it (:func:`measured_bracket`: the claim's dose, then steps of half a decade and a quarter, down after
+a collapse and up after none); :func:`critical_dose_power` simulates both verdicts of its rule
+(:func:`.rules.dose_verdict`). Claim (c) counts prefixes whose collapse changed with the noise knob:
+:func:`sign_test_power`.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import pandas as pd
 from scipy import stats as sps
 
 from stabstudy.analysis.stats import smallest_p
-from stabstudy.analysis.studies.rl.design import geometric_points
+from stabstudy.analysis.studies.rl.rules import dose_verdict
 
 Method = Literal["exact", "simulation"]
 
@@ -112,59 +110,52 @@ def power_table(rates: Sequence[tuple[float, float]], ns: Sequence[int], n_contr
     return pd.DataFrame(rows)
 
 
-# -- claim (b): the critical dose of each prefix, bracketed by bisection ---------------------
-
-#: The lr-spike factors every prefix is forked at before bisection (the control is factor 1).
-DOSE_GRID = (3.0, 10.0, 30.0, 100.0)
+# -- claim (b): each prefix's critical dose, bracketed by its sequence of doses ---------------
 
 
-def measured_critical_dose(true: Sequence[float], grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
-                           control_dose: float = 1.0) -> np.ndarray:
+def measured_bracket(true: Sequence[float], start: float = 10.0, steps: Sequence[float] = (0.5, 0.25),
+                     control_dose: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """What the design measures for prefixes whose true critical doses are ``true`` (a prefix collapses
-    at every dose at or above its own): the bracket of ``grid`` (the control at ``control_dose``
-    never collapses against itself), narrowed by ``bisections`` sequential geometric midpoints
-    (:func:`geometric_points`), reported as the bracket's geometric midpoint; ``inf`` above the grid."""
-    g = np.sort(np.asarray(grid, dtype=float))
-    out = np.empty(len(true))
+    at every dose at or above its own): forked at ``start``, then ``steps`` decades down after a
+    collapse and up after none, each from the last dose (3 significant digits); the bracket
+    ``(low, high]``: the largest dose it survived (``control_dose`` when none: the control never
+    collapses against itself) and the smallest it collapsed at (``inf`` when none)."""
+    low, high = np.full(len(true), float(control_dose)), np.full(len(true), np.inf)
     for i, x in enumerate(np.asarray(true, dtype=float)):
-        if x > g[-1]:
-            out[i] = np.inf
-            continue
-        below = g[g < x]
-        lo, hi = (float(below[-1]) if below.size else float(control_dose)), float(g[g >= x][0])
-        for _ in range(int(bisections)):
-            mid = geometric_points(lo, hi)[0]
-            if not lo < mid < hi:  # a bracket too narrow for 3 digits
-                break
-            lo, hi = (lo, mid) if mid >= x else (mid, hi)
-        out[i] = np.sqrt(lo * hi)
-    return out
+        d = float(start)
+        for k in range(len(steps) + 1):
+            if d >= x:
+                high[i] = min(high[i], d)
+            else:
+                low[i] = max(low[i], d)
+            if k < len(steps):
+                d = float(f"{d * 10 ** (-steps[k] if d >= x else steps[k]):.3g}")
+    return low, high
 
 
-def critical_dose_power(n_lower: int, n_higher: int, *, medians: tuple[float, float] = (5.0, 50.0),
-                        sd: float = 0.4, grid: Sequence[float] = DOSE_GRID, bisections: int = 2,
-                        alpha: float = 0.05, sims: int = 400, seed: int = 0) -> float:
-    """Power of claim (b)'s one-sided Mann-Whitney test "the lower arm's critical doses are lower",
-    by simulation: each prefix's true critical dose is log-normal (``medians`` of the two arms,
-    ``sd`` in decades), measured as the design measures it (:func:`measured_critical_dose`: the grid,
-    ``bisections`` midpoints, ``inf`` above the grid), then tested. Each simulated test uses the
-    tie-corrected normal approximation (the claim itself uses the exact permutation test where it
-    can, :func:`stabstudy.analysis.studies.rl.claims.critical_dose_claim`); the power is 0 when even
-    complete separation cannot reach ``alpha`` (:func:`smallest_p`). Monte Carlo standard error at
-    most ``0.5 / sqrt(sims)``."""
-    if min(n_lower, n_higher) < 1:
-        return 0.0
-    if smallest_p(n_lower, n_higher) >= alpha:
-        return 0.0
+def critical_dose_power(n_lower: int, n_higher: int, *, medians: tuple[float, float] = (5.0, 50.0), sd: float = 0.4,
+                        start: float = 10.0, steps: Sequence[float] = (0.5, 0.25), sesoi: float = 2.0,
+                        alpha: float = 0.05, sims: int = 400, seed: int = 0) -> dict[str, float]:
+    """The probabilities of claim (b)'s verdicts (:func:`stabstudy.analysis.studies.rl.claims.critical_dose_claim`)
+    by simulation: each prefix's true critical dose is log-normal (``medians`` of the two arms, ``sd`` in
+    decades), measured as the design measures it (:func:`measured_bracket`), then decided: ``supported``
+    when the rank test at the bracket ends least favourable to it (the lower arm's upper ends against
+    the other's lower ends) says "lower" at ``alpha``; ``not supported`` when the test at the ends least
+    favourable to that says the other arm's doses are less than ``sesoi`` times the lower arm's. Each
+    simulated test uses the tie-corrected normal approximation (the claim uses the exact permutation
+    test). Monte Carlo standard error at most ``0.5 / sqrt(sims)``; 0 where no outcome could decide
+    (:func:`stabstudy.analysis.stats.smallest_p`)."""
+    if min(n_lower, n_higher) < 1 or smallest_p(n_lower, n_higher) >= alpha:
+        return {"supported": 0.0, "not supported": 0.0}
     rng = np.random.default_rng(seed)
-    hits = 0
+    hits = {"supported": 0, "not supported": 0}
     for _ in range(int(sims)):
-        a = measured_critical_dose(10 ** rng.normal(np.log10(medians[0]), sd, n_lower), grid, bisections)
-        b = measured_critical_dose(10 ** rng.normal(np.log10(medians[1]), sd, n_higher), grid, bisections)
-        if np.all(np.concatenate([a, b]) == a[0]):
-            continue
-        hits += sps.mannwhitneyu(a, b, alternative="less", method="asymptotic").pvalue < alpha
-    return hits / int(sims)
+        lo_a, hi_a = measured_bracket(10 ** rng.normal(np.log10(medians[0]), sd, n_lower), start, steps)
+        lo_b, hi_b = measured_bracket(10 ** rng.normal(np.log10(medians[1]), sd, n_higher), start, steps)
+        verdict = dose_verdict(lo_a, hi_a, lo_b, hi_b, sesoi=sesoi, alpha=alpha, exact=False)[0]
+        if verdict in hits:
+            hits[verdict] += 1
+    return {k: v / int(sims) for k, v in hits.items()}
 
 
 def sign_test_power(n: int, p_up: float, alpha: float = 0.05) -> float:

@@ -108,12 +108,13 @@ def on_rows(ds: xr.Dataset, channel: str = ROW_CHANNEL) -> xr.Dataset:
 
 
 def paired(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, str], *, collapse_frac: float = 0.5,
-           recover_frac: float = 0.8, horizon: Mapping[str, float] | None = None) -> tuple[pd.DataFrame, dict[str, float]]:
+           lag: Mapping[str, float] | None = None, horizon: Mapping[str, float] | None = None,
+           min_gain: float = 1e-8) -> tuple[pd.DataFrame, dict[str, float]]:
     """Every perturbed fork of ``fork_ds`` against its control (notebook 01's
     :func:`~stabstudy.analysis.studies.rl.outcomes.paired_table`, with its floors: the prefixes'
     untrained returns). ``horizon``: per learner (default: :func:`~stabstudy.analysis.studies.rl.design.horizons`
-    of ``prefix_ds``'s learning curves, as notebook 01 computes it, for every learner ``horizon`` does
-    not name). Returns the table and the horizons."""
+    of ``prefix_ds``'s learning curves, for every learner ``horizon`` does not name). Returns the table
+    and the horizons."""
     learners = {str(a) for a in np.atleast_1d(fork_ds["learner"].values)}
     H = dict(horizon or {})
     if not learners <= set(H):  # a learner the given horizons do not name: from its prefixes
@@ -122,10 +123,9 @@ def paired(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, s
     if missing:
         raise ValueError(f"prefix_of names no prefix for fork(s) {missing[:3]}")
     prefix_of = {str(h): prefix_of[str(h)] for h in fork_ds["run"].values}
-    floors, scale = curves.return_reference(prefix_ds, curves.eval_curves(fork_ds), prefix_of)
-    table = runs.summarize(fork_ds, floors=floors, frac=collapse_frac, recover_frac=recover_frac, scale=scale)
-    out = O.paired_table(fork_ds, table, horizon=H, floors=floors, prefix_of=prefix_of, frac=collapse_frac,
-                         recover_frac=recover_frac)
+    floors, _ = curves.return_reference(prefix_ds, curves.eval_curves(fork_ds), prefix_of)
+    out = O.paired_table(fork_ds, runs.run_table(fork_ds), horizon=H, floors=floors, prefix_of=prefix_of,
+                         frac=collapse_frac, lag=lag, min_gain=min_gain)
     return out, H
 
 
@@ -189,9 +189,9 @@ def _eval_rows(ds: xr.Dataset, rows: xr.Dataset) -> float:
 
 
 def analyse(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, str], *,
-            calibration_seeds: Sequence[int], collapse_frac: float = 0.5, recover_frac: float = 0.8,
-            horizon: Mapping[str, float] | None = None, burn_in: int = 50, warn_horizon: int = 200, late: int = 20,
-            meta_features: Sequence[str] = RL_CHANNELS, config: MetaConfig | None = None,
+            calibration_seeds: Sequence[int], collapse_frac: float = 0.5, lag: Mapping[str, float] | None = None,
+            horizon: Mapping[str, float] | None = None, min_gain: float = 1e-8, burn_in: int = 50,
+            warn_horizon: int = 200, late: int = 20, meta_features: Sequence[str] = RL_CHANNELS, config: MetaConfig | None = None,
             n_components: int | float = 0.9, budget: float = 1.0, n_boot: int = 1000, seed: int = 0) -> RLWarning:
     """The protocol (module docstring) on one learner's forks.
 
@@ -201,9 +201,11 @@ def analyse(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, 
         prefix_of: fork hash -> its prefix's hash.
         calibration_seeds: the prefixes (seeds) whose control forks set the PCA and the thresholds
             and whose events choose the detectors; the others evaluate.
-        collapse_frac, recover_frac: notebook 01's collapse rule against the paired control.
+        collapse_frac, lag: notebook 01's collapse rule against the paired control (``lag``: per learner,
+            env steps a fork may trail its control by).
         horizon: per learner, env steps of "irreversible" (notebook 01's, where its grid manifest records
-            them; default: from the prefixes, as notebook 01 computes them).
+            them; default: from the prefixes' learning curves).
+        min_gain: a control at most this far above its floor at the end has no gain to lose (no verdict).
         burn_in: rows from the fork ignored by alarms, false-alarm counts and the PCA.
         warn_horizon: earliest alarm (rows before the onset) that counts as a warning.
         late: latest alarm (rows after the onset) that counts as a detection.
@@ -217,8 +219,8 @@ def analyse(fork_ds: xr.Dataset, prefix_ds: xr.Dataset, prefix_of: Mapping[str, 
     bad = sorted(set(fork_ds["pert_kind"].values) - {"none", *KINDS})
     if bad:
         raise ValueError(f"the RL family reads kinds {', '.join(KINDS)} and their controls; got {bad}")
-    pair, H = paired(fork_ds, prefix_ds, prefix_of, collapse_frac=collapse_frac, recover_frac=recover_frac,
-                     horizon=horizon)
+    pair, H = paired(fork_ds, prefix_ds, prefix_of, collapse_frac=collapse_frac, lag=lag, horizon=horizon,
+                     min_gain=min_gain)
     rows = on_rows(fork_ds)
     labels, left_out = row_labels(rows, pair)
     env = dict(zip(rows["run"].values, rows["env_step"].transpose("run", "step").values, strict=True))
