@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from stabstudy.analysis import claims as C
-from stabstudy.analysis.studies import calibration, closed_loop, lm_spikes, precision
+from stabstudy.analysis.studies import calibration, closed_loop_claims, lm_spikes, precision
 from stabstudy.analysis.studies.rl import curves as rl_curves
 
 MISSING = {"not tested", "inconclusive"}
@@ -411,8 +411,8 @@ def _loop(effect: bool, n: int = 16, domain: str = "toy", seed0: int = 0) -> pd.
 
 
 def _loop_verdicts(out: pd.DataFrame) -> dict[str, str]:
-    rows = closed_loop.claims(out, primary="z_rollback", evaluation_seeds=sorted(out.seed.unique()),
-                              plan=closed_loop.Plan(), comparators=COMPARATORS)
+    rows = closed_loop_claims.claims(out, primary="z_rollback", evaluation_seeds=sorted(out.seed.unique()),
+                              plan=closed_loop_claims.Plan(), comparators=COMPARATORS)
     assert all(r.family and r.confirmatory for r in rows)
     return verdicts(rows)
 
@@ -441,8 +441,8 @@ def test_closed_loop_missing_data_gives_no_verdict():
 
 def test_closed_loop_false_interventions_are_a_rate_per_run():
     out = _loop(True, n=5)
-    sel = [r for r in closed_loop.claims(out, primary="z_rollback", evaluation_seeds=list(range(5)),
-                                         plan=closed_loop.Plan(), comparators=()) if "selective" in r.claim]
+    sel = [r for r in closed_loop_claims.claims(out, primary="z_rollback", evaluation_seeds=list(range(5)),
+                                         plan=closed_loop_claims.Plan(), comparators=()) if "selective" in r.claim]
     assert len(sel) == 1 and sel[0].n == 5  # runs, not 5,000 steps
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from stabstudy.analysis.studies import closed_loop as study
+from stabstudy.analysis.studies import closed_loop_claims as loop_claims
 from stabstudy.spec import Perturbation, RunSpec
 
 
@@ -31,15 +32,15 @@ def _out(damage_with, damage_without, collapse_with=None, collapse_without=None,
 
 def _claims(out, **plan):
     """The claims by their text up to the first parenthesis, without the domain: 'z_skip reduces damage on ppo'."""
-    cl = study.claims(out, primary="z_skip", evaluation_seeds=sorted(out.seed.unique()),
-                      plan=study.Plan(**{"margin": 0.05, **plan}), comparators=[])
+    cl = loop_claims.claims(out, primary="z_skip", evaluation_seeds=sorted(out.seed.unique()),
+                      plan=loop_claims.Plan(**{"margin": 0.05, **plan}), comparators=[])
     return {f"{c.claim.split(' (')[0].split(': ', 1)[1]} on {c.claim.split(':')[0]}": c for c in cl}
 
 
 def test_two_doses_of_one_prefix_are_one_unit():
     out = _out([[0.1, 0.2]], [[0.5, 0.9]], [[0.0, 0.0]], [[1.0, 0.0]])
     pert = out[out.event != "none"]
-    units = study.unit_pairs(pert[pert.controller == "z_skip"], pert[pert.controller == "none"])
+    units = loop_claims.unit_pairs(pert[pert.controller == "z_skip"], pert[pert.controller == "none"])
     assert len(units) == 1 and units.forks.tolist() == [2]
     u = units.iloc[0]
     assert u.collapse_without == 1.0 and u.collapse_with == 0.0  # any of its forks
@@ -65,7 +66,7 @@ def test_a_prefix_with_a_fork_without_verdict_collapses_only_if_another_did():
     out = _out([[0.1, 0.2], [0.1, 0.2]], [[0.5, 0.9], [0.5, 0.9]], [[0.0, math.nan], [1.0, math.nan]],
                [[0.0, 0.0], [0.0, 0.0]])
     pert = out[out.event != "none"]
-    units = study.unit_pairs(pert[pert.controller == "z_skip"], pert[pert.controller == "none"]).set_index("unit")
+    units = loop_claims.unit_pairs(pert[pert.controller == "z_skip"], pert[pert.controller == "none"]).set_index("unit")
     assert math.isnan(units.loc["p0", "collapse_with"]) and units.loc["p1", "collapse_with"] == 1.0
 
 

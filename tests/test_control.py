@@ -11,6 +11,7 @@ import pytest
 import torch
 from docblocks import block
 
+from stabstudy.analysis.studies import closed_loop_claims as loop_claims
 from stabstudy.instruments.telemetry import Monitor
 from stabstudy.interventions import control
 from stabstudy.interventions.control import (
@@ -315,12 +316,12 @@ def test_closed_loop_outcomes_table_and_claims():
     assert (pert[pert.controller != "none"].first_action == 1).all()
     assert (out[(out.controller == "clip1") & (out.event == "none")].per_1k == 100).all()
     assert table[table.controller == "z_skip"].threshold.eq(7.0).all() and table[table.controller == "clip1"].threshold.isna().all()
-    paired = study.paired_table(out, [1, 2, 3])
+    paired = loop_claims.paired_table(out, [1, 2, 3])
     row = paired.set_index("controller").loc["z_skip"]
     assert row.collapse_without == 4 and row.collapse_with == 0 and row.false_per_1k == 0
-    assert study.choose_primary(out, [0], ["z_skip"]) == "z_skip"
-    rows = study.claims(out[out.seed.isin([1, 2, 3])], primary="z_skip", evaluation_seeds=[1, 2, 3],
-                        plan=study.Plan(collapse_excess={"toy": 0.3}, margin=0.05), comparators=["clip1", "olmo"])
+    assert loop_claims.choose_primary(out, [0], ["z_skip"]) == "z_skip"
+    rows = loop_claims.claims(out[out.seed.isin([1, 2, 3])], primary="z_skip", evaluation_seeds=[1, 2, 3],
+                              plan=loop_claims.Plan(collapse_excess={"toy": 0.3}, margin=0.05), comparators=["clip1", "olmo"])
     cl = {c.claim.split(": ", 1)[1].split(":")[0].split(" (")[0]: c for c in rows}
     assert all(c.claim.startswith("toy: ") for c in rows)  # one domain, its rows named by it
     assert cl["z_skip prevents collapse"].verdict == "inconclusive"  # 3 pairs
@@ -331,14 +332,13 @@ def test_closed_loop_outcomes_table_and_claims():
 
 
 def test_action_timing_counts_first_actions_after_the_event_ended():
-    from stabstudy.analysis.studies import closed_loop as study
 
     paired = pd.DataFrame({"domain": ["lm", "lm", "lm", "ppo", "ppo"],
                            "event": ["lr_spike x100/5", "lr_spike x300/5", "lr_spike x100/5", "lr_spike x10/2048",
                                      "lr_spike x10/2048"],
                            "controller": ["z_skip", "z_skip", "olmo", "z_skip", "z_rollback"],
                            "first_action": [1.0, np.nan, 9.0, 320.0, 12.0]})
-    t = study.action_timing(paired, {"ppo": 320})
+    t = loop_claims.action_timing(paired, {"ppo": 320})
     assert t.loc["lm"].tolist() == [1.0, 5, 0, 1]  # olmo is not ours; the NaN row never acted
     assert t.loc["ppo"].tolist() == [166.0, 320, 1, 2]
 

@@ -107,7 +107,7 @@ def spike_policy_change(run: xr.Dataset, start: float, duration: float) -> dict[
 
 def policy_change_table(ds: xr.Dataset, rows, *, duration: Mapping[str, float], prefix_of: Mapping[str, str],
                         control_dose: float = CONTROL_DOSE):
-    """:func:`spike_policy_change` of every run of ``rows`` (:func:`.runs.summarize` rows of the runs
+    """:func:`spike_policy_change` of every run of ``rows`` (:func:`.runs.run_table` rows of the runs
     of ``ds``, a ``load_runs`` Dataset: perturbed forks and their controls) over its spike window
     (``pert_start``, ``duration[learner]`` env steps); a control (``pert_kind`` "none") over the window
     of the perturbed forks of its prefix (their median start), at dose ``control_dose``. One row per
@@ -167,7 +167,7 @@ def knob_changed(treated: xr.Dataset, control: xr.Dataset, learner: str, at: flo
 
 def knob_check_table(ds: xr.Dataset, rows, *, lookback: Mapping[str, float], prefix_of: Mapping[str, str],
                      rtol: float = 0.05):
-    """:func:`knob_changed` for every fork of ``rows`` (:func:`.runs.summarize` rows of the runs of
+    """:func:`knob_changed` for every fork of ``rows`` (:func:`.runs.run_table` rows of the runs of
     ``ds``) that ran with a changed noise knob (``noise_after_fork`` not "same") and no perturbation,
     against the unperturbed default-knob fork of its prefix (``prefix_of``: run -> prefix), over the
     ``lookback[learner]`` env steps before the spike (the median ``pert_start`` of the prefix's spiked

@@ -357,7 +357,7 @@ class ForkDesign:
 
 
 def default_knob_as_same(table, hparams: Mapping[str, Mapping[str, Any]]):
-    """``table`` (``runs.summarize`` rows of a noise grid) with ``noise_after_fork`` "same"
+    """``table`` (``runs.run_table`` rows of a noise grid) with ``noise_after_fork`` "same"
     where a fork's explicit knob equals its arm's own (``hparams[arm]``, e.g. PPO ``ent_coef`` 0):
     the noise grid keeps its default level apart from the main grid (another lead, its own controls,
     :func:`fork_grid` ``keep_knob``), and within the grid that level is the default that
