@@ -65,6 +65,49 @@ def test_the_null_is_the_unperturbed_runs_of_the_perturbed_runs_configuration():
     assert list(E.null_runs(info, "calibration").index) == ["u0"]
 
 
+def test_the_null_read_through_the_store_holds_one_configuration(tmp_store):
+    """Runs of two configurations written through the real store and read back with ``load_runs`` (which
+    attaches the hyperparameters as coordinates): the unperturbed runs of the other configuration
+    (lr 0.02, no warmup; their loss 1.5 nats higher and their channels ten times as noisy) enter
+    neither the null, nor the PCA, nor the outcome band."""
+    from stabstudy.analysis.studies import meta_state as M
+    from stabstudy.analysis.warning.labels import LabelRule
+    from stabstudy.online import MetaConfig
+    from stabstudy.run.store import load_runs
+
+    small = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, batch_size=2, corpus_bytes=10_000)
+    specs = M.grid(N, [0, 1, 2, 3], ramp_start=100, ramps=[], shock_step=150, shocks=[["lr_spike", 100.0, 5]],
+                   spontaneous={"lr": 0.02, "warmup": 0}, spontaneous_seeds=[0, 1, 2, 3], null_seeds=[1000, 1001],
+                   lr=0.003, warmup=20, **small)
+    other = {s for s in specs if dict(s.hparams)["lr"] == 0.02}
+    assert len(other) == 4 and len(specs) == 14
+    for k, spec in enumerate(specs):
+        run = _run(k, jump_at=200 if spec.perturbations else None)
+        if spec in other:
+            run = run.assign(loss=run.loss + 1.5, grad_norm=run.grad_norm ** 10)
+        tmp_store.save(run[["loss", "attn_entropy_min", "grad_norm", "xgrad", "update_grad_cos"]], spec, "ok", 1.0)
+    ds = load_runs(specs, tmp_store)
+    assert "hp_lr" in ds.coords and "hp_lr" not in ds.data_vars  # where load_runs puts them
+    rule = LabelRule(window=50, k=6.0, min_excess=0.3, persist=20, burn_in=50)
+    config = MetaConfig(window=32, min_periods=8, corr_window=16)
+    res = M.analyse(ds, specs, calibration_seeds=[0, 1, 1000], rule=rule, config=config, n_components=2,
+                    meta_features=("grad_norm", "xgrad", "update_grad_cos", "attn_entropy_min"), budget=2.0,
+                    horizon=60, late=10, n_boot=20)
+    info = res.info
+    hashes = {s.spec_hash: s for s in specs}
+    null = {h for h, s in hashes.items() if not s.perturbations and s not in other}
+    assert set(info.index[info.null]) == null
+    cal_null = sorted(h for h in null if hashes[h].seed in (0, 1, 1000))
+    assert len(cal_null) == 3
+    # the PCA: the in-control steps of those three runs, none of the other configuration's
+    assert res.pca.n_fit == 3 * (N - rule.burn_in)
+    # the outcome band: theirs alone
+    from stabstudy.analysis.warning import outcomes as O
+
+    _, band = O.reference_band(ds, cal_null, "loss", O.OutcomeRule(burn_in=rule.burn_in))
+    assert res.outcomes.band.iloc[0] == pytest.approx(band) and band < 0.5
+
+
 def test_thresholds_are_calibrated_on_unperturbed_runs_only():
     """A perturbed calibration run that never collapses but moves the score must not set the threshold."""
     n, rng = 200, np.random.default_rng(0)

@@ -214,7 +214,9 @@ def run_info(ds: xr.Dataset, labels: pd.DataFrame, calibration_seeds: Sequence[i
     perturbation, and the hyperparameters of the perturbed runs, so a spontaneous family's other
     configuration is not the null); ``labels`` from
     :func:`stabstudy.analysis.warning.labels.label_runs`."""
-    hp = sorted(v for v in ds.data_vars if str(v).startswith("hp_"))
+    # load_runs attaches the hyperparameters as coordinates along run (a hand-built Dataset may hold
+    # them as data variables): both are read, or every run would look like one configuration
+    hp = sorted(str(v) for v in ds.variables if str(v).startswith("hp_") and ds[v].dims == ("run",))
     rows = []
     for run in ds["run"].values:
         kind = str(ds["pert_kind"].sel(run=run).values)
