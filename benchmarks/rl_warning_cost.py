@@ -22,7 +22,7 @@ import time
 import numpy as np
 import xarray as xr
 
-from stabstudy.analysis.studies import meta_state as M
+from stabstudy.analysis.studies import meta_robustness as R
 from stabstudy.analysis.studies.rl import warning as W
 from stabstudy.analysis.warning import evaluation as E
 from stabstudy.online import MetaConfig
@@ -86,7 +86,7 @@ def main() -> None:
           f"({'protocol ran' if r.study is not None else 'not run: ' + r.reason})")
     if r.study is not None:
         t0 = time.perf_counter()
-        M.verdict_stability(r.study, n_resamples=args.resamples, seed=0)
+        R.verdict_stability(r.study, n_resamples=args.resamples, seed=0)
         print(f"verdict_stability ({args.resamples} resamples): {time.perf_counter() - t0:.1f} s")
     if args.stream:
         stream_vs_replay(W.on_rows(fork))

@@ -10,7 +10,9 @@ import pytest
 import xarray as xr
 
 from stabstudy.analysis import claims as C
+from stabstudy.analysis.studies import meta_robustness as MR
 from stabstudy.analysis.studies import meta_state as M
+from stabstudy.analysis.studies import meta_summaries as V
 from stabstudy.analysis.studies.rl import warning as W
 from stabstudy.online import MetaConfig
 
@@ -179,18 +181,21 @@ def test_the_meta_state_warns_before_a_drop_it_can_see(warned):
     assert (info[info.event].onset > info[info.event].start).all()
     assert warned.study.params["n_null_calibration"] == 3 and warned.study.params["n_null_evaluation"] == 6
     v = _claims(warned)
-    for fam in W.FAMILIES:
+    # an evaluation-based drop has no onset speed the protocol could measure: every RL event is a shock,
+    # the lr ramps' as the spikes' (the kind never sets the family)
+    assert set(info[info.event].family) == {"shock"} and set(info[info.event].kind) == {"lr_spike", "lr_ramp"}
+    for fam, want in (("shock", "supported"), ("slow-onset", "not tested")):
         lead = [c for c in v.index if "deviates before" in c and f"({fam} events" in c]
-        assert len(lead) == 1 and v[lead[0]] == "supported", (fam, v.to_dict())
+        assert len(lead) == 1 and v[lead[0]] == want, (fam, v.to_dict())
     spec = [c for c in v.index if "outcome: collapses" in c and "ROC-AUC above 0.5" in c]
     assert v[spec[0]] == "supported"
     assert not [c for c in v.index if "spontaneous" in c]  # the RL family asks about its own event families
     s = W.summary({"sac": warned}).loc["sac"]
-    assert s["shock events"] == "9/18" and s["collapsed"] == 18 and s["prefixes cal/eval"] == "3/6"
+    assert s["shock events"] == "18/18" and s["collapsed"] == 18 and s["prefixes cal/eval"] == "3/6"
     assert s["rows/eval"] == EVAL / EVERY  # evaluations fall between telemetry rows
     sens, spec = W.tables({"sac": warned, "td3": W.RLWarning("td3", *(pd.DataFrame(),) * 3, None, "why")})
-    assert set(sens.learner) == {"sac"} and set(sens.events) == {"all", *W.FAMILIES}
-    assert (sens[sens.events == "shock"].detected.str.endswith("/6")).all() and (sens.null == 6).all()
+    assert set(sens.learner) == {"sac"} and set(sens.events) == {"all", "shock"}
+    assert (sens[sens.events == "shock"].detected.str.endswith("/12")).all() and (sens.null == 6).all()
     assert set(spec.target) == set(W.TARGETS) and (spec[spec.detector != M.LOSS].prefixes == 6).all()
 
 
@@ -224,7 +229,7 @@ def test_no_evaluation_prefix_and_other_kinds_are_named():
 
 
 def test_verdict_stability_runs_on_an_rl_study(warned):
-    st = M.verdict_stability(warned.study, n_resamples=4, seed=0)
+    st = MR.verdict_stability(warned.study, n_resamples=4, seed=0)
     assert len(st) == len(M.sensitivity_claims(warned.study)) and st.same.between(0, 1).all()
 
 
@@ -232,14 +237,14 @@ def test_verdict_stability_runs_on_an_rl_study(warned):
 
 
 def test_cross_domain_pools_the_rl_algorithms_and_goes_untested_without_them(warned, misled):
-    dirs, claim = M.cross_domain(warned.study, [warned.study, misled.study], ("A", "RL"), window=20,
+    dirs, claim = V.cross_domain(warned.study, [warned.study, misled.study], ("A", "RL"), window=20,
                                  features=M.SHARED_CHANNELS, n_boot=50)
     assert list(dirs.columns) == [*M.SHARED_CHANNELS, "events"] and dirs.events.tolist() == [18, 36]
     assert claim.n == 9  # the smaller domain's prefixes; RL's 18 (9 per algorithm) count apart
     assert claim.effect > 0.5
-    pooled = M.domain_directions([warned.study, misled.study], M.SHARED_CHANNELS, 20)
+    pooled = V.domain_directions([warned.study, misled.study], M.SHARED_CHANNELS, 20)
     assert pooled.seed.nunique() == 18
-    dirs, claim = M.cross_domain(warned.study, [], ("GPT", "RL"), window=20, features=M.SHARED_CHANNELS)
+    dirs, claim = V.cross_domain(warned.study, [], ("GPT", "RL"), window=20, features=M.SHARED_CHANNELS)
     assert claim.verdict == "not tested" and "no RL study" in claim.reason and dirs.empty
 
 
@@ -283,7 +288,7 @@ def test_a_tiny_real_pendulum_fork_grid_runs_through_the_rl_analysis(tmp_path, m
     assert r.study is not None, r.reason  # the protocol ran (the seed-0 ramp collapses, CPU runs are deterministic)
     assert set(r.study.info.index) == set(r.runs.index) and r.study.params["families"] == W.FAMILIES
     # one calibration prefix: every resample of it recalibrates to the point estimate
-    assert (M.verdict_stability(r.study, n_resamples=5).same == 1.0).all()
+    assert (MR.verdict_stability(r.study, n_resamples=5).same == 1.0).all()
     out = W.claims({"sac": r})
     assert out and all(c.claim.startswith("RL SAC: ") for c in out)
     assert {c.verdict for c in out} <= {"supported", "not supported", "inconclusive", "not tested"}

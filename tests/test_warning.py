@@ -46,8 +46,8 @@ def test_label_finds_a_lasting_jump_and_ignores_a_transient_one():
     assert label_run(fake_run(jump_at=200), rule)["onset"] == 200
     ds = fake_run()
     ds["loss"][150:155] += 3.0  # back within 5 steps: no collapse
-    assert label_run(ds, rule) == {"event": False, "onset": -1, "level": pytest.approx(np.nan, nan_ok=True),
-                                   "excess": pytest.approx(np.nan, nan_ok=True)}
+    nan = pytest.approx(np.nan, nan_ok=True)
+    assert label_run(ds, rule) == {"event": False, "onset": -1, "level": nan, "excess": nan, "rise": nan, "family": ""}
 
 
 def test_a_diverged_run_is_an_event_at_its_break():
@@ -375,25 +375,31 @@ def test_grid_shares_notebook_02_runs():
 # -- the claims of notebook 04 ----------------------------------------------------------------------
 
 
-def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, n_null: int = 8, on: float = 0.01):
+def _study(meta_lead: float, single_lead: float, fa: float, n_events: int = 10, n_null: int = 8, on: float = 0.01,
+           loss_lead: float = 0.0, seeds: list[int] | None = None):
     """A MetaStudy holding only what ``claims`` reads: slow-onset events with the given leads (plus
-    noise), null runs with ``fa`` false alarms per 1,000 steps and ``on`` of their steps in alarm (plus noise)."""
+    noise) of the meta-state, a single channel and the loss, null runs with ``fa`` false alarms per
+    1,000 steps and ``on`` of their steps in alarm (plus noise); every run its own seed unless
+    ``seeds`` (one per event, then one per null run) says otherwise."""
     from stabstudy.analysis.studies import meta_state
 
     rng = np.random.default_rng(0)
     ev = [f"e{i}" for i in range(n_events)]
     nulls = [f"n{i}" for i in range(n_null)]
-    info = pd.DataFrame({"family": "slow-onset", "event": [True] * n_events + [False] * n_null,
-                         "split": "evaluation"}, index=ev + nulls)
+    info = pd.DataFrame({"seed": seeds if seeds is not None else np.arange(n_events + n_null),
+                         "kind": ["lr_ramp"] * n_events + ["none"] * n_null,
+                         "family": ["slow-onset"] * n_events + [""] * n_null,
+                         "event": [True] * n_events + [False] * n_null, "split": "evaluation"}, index=ev + nulls)
     leads = pd.DataFrame({"meta-state t2": meta_lead + rng.normal(0, 2, n_events),
-                          "EWMA z x": single_lead + rng.normal(0, 2, n_events)}, index=ev)
+                          "EWMA z x": single_lead + rng.normal(0, 2, n_events),
+                          meta_state.LOSS: loss_lead + rng.normal(0, 2, n_events)}, index=ev)
     fa_runs = pd.DataFrame({"meta-state t2": np.clip(fa + rng.normal(0, 0.3, n_null), 0, None)}, index=nulls)
     in_alarm = pd.DataFrame({"meta-state t2": np.clip(on + rng.normal(0, 0.005, n_null), 0, 1)}, index=nulls)
     evaluation = E.Evaluation(pd.Series(dtype=float), pd.DataFrame(), leads, fa_runs, {}, in_alarm)
     best_meta = {"all": "meta-state t2", "slow-onset": "meta-state t2"}
     best_single = {"all": "EWMA z x", "slow-onset": "EWMA z x"}
     return meta_state.MetaStudy(info, None, None, None, [], evaluation, leads, best_single, best_meta,
-                                pd.DataFrame(), pd.DataFrame(), {"late": 20, "budget": 1.0})
+                                pd.DataFrame(), {"late": 20, "budget": 1.0})
 
 
 def _verdicts(study) -> dict[str, str]:
@@ -413,19 +419,33 @@ def _pick(v: dict[str, str], *parts: str) -> str:
 
 def test_meta_state_claims_pass_fail_and_go_untested():
     earlier, before, quiet = "earlier than the best single channel", "deviates before performance", "stays quiet"
+    loss = "earlier than the loss"
     good = _verdicts(_study(meta_lead=30, single_lead=5, fa=0.0))
-    assert _pick(good, earlier, "slow-onset") == "supported"
+    assert _pick(good, earlier, "slow-onset") == _pick(good, loss, "slow-onset") == "supported"
     assert _pick(good, before, "slow-onset") == "supported"
     assert _pick(good, quiet) == "supported"
-    assert _pick(good, earlier, "(shock events)") == _pick(good, earlier, "spontaneous") == "not tested"
-    bad = _verdicts(_study(meta_lead=-5, single_lead=20, fa=5.0))
+    assert _pick(good, earlier, "(shock events)") == _pick(good, loss, "(shock events)") == "not tested"
+    bad = _verdicts(_study(meta_lead=-5, single_lead=20, fa=5.0, loss_lead=20))
     assert _pick(bad, earlier, "slow-onset") == _pick(bad, before, "slow-onset") == "not supported"
+    assert _pick(bad, loss, "slow-onset") == "not supported"
     assert _pick(bad, quiet) == "not supported"
     # one alarm that comes on and stays on: few up-crossings, most steps in alarm
     stuck = _verdicts(_study(meta_lead=30, single_lead=5, fa=0.0, on=0.6))
     assert _pick(stuck, quiet) == "not supported"
     empty = _verdicts(_study(meta_lead=0, single_lead=0, fa=0.0, n_events=0, n_null=0))
     assert set(empty.values()) <= {"not tested", "inconclusive"}
+
+
+def test_lead_claims_take_seeds_as_units():
+    """Ten events of two seeds are two units: the claim cannot be decided, whatever the events say."""
+    from stabstudy.analysis import claims as C
+    from stabstudy.analysis.studies import meta_state
+
+    pooled = _study(meta_lead=30, single_lead=5, fa=0.0, seeds=[0] * 5 + [1] * 5 + list(range(10, 18)))
+    rows = {c.claim: c for c in meta_state.sensitivity_claims(pooled)}
+    row = rows["the meta-state warns earlier than the loss at the same false-alarm budget (slow-onset events)"]
+    assert row.n == 2 and row.verdict == "inconclusive" and "over seeds" in row.test
+    assert C.table([row]).verdict.iloc[0] == "inconclusive"
 
 
 def test_the_quiet_claim_counts_seeds_not_runs():

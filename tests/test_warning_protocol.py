@@ -9,6 +9,8 @@ import pytest
 import xarray as xr
 
 from stabstudy.analysis import claims as C
+from stabstudy.analysis.studies import meta_robustness as R
+from stabstudy.analysis.studies import meta_summaries as V
 from stabstudy.analysis.warning import evaluation as E
 from stabstudy.analysis.warning import outcomes as O
 from stabstudy.analysis.warning import specificity as S
@@ -18,9 +20,10 @@ N = 300
 
 def _run(seed: int, kind: str = "none", start: float = np.nan, jump_at: int | None = None, creep: float = 0.0,
          bump: tuple[int, int] | None = None, lr: float = 0.003, precursor: int = 0,
-         noise: int | None = None) -> xr.Dataset:
+         noise: int | None = None, creep_from: float | None = None) -> xr.Dataset:
     """A run-shaped Dataset: a noisy falling loss, optionally a lasting +2 nats blow-up at ``jump_at``,
-    a ``creep`` (nats) reached over 100 steps from ``start`` and kept, or a transient ``bump`` ``(a, b)`` of +0.25 nats;
+    a ``creep`` (nats) reached over 100 steps from ``creep_from`` (default ``start``) and kept, or a
+    transient ``bump`` ``(a, b)`` of +0.25 nats;
     telemetry noise (drawn from ``noise``, default ``seed``), with ``grad_norm`` rising ``precursor``
     steps before the blow-up."""
     rng = np.random.default_rng(seed if noise is None else noise)
@@ -31,7 +34,7 @@ def _run(seed: int, kind: str = "none", start: float = np.nan, jump_at: int | No
         loss[jump_at:] += 2.0
         ent[jump_at:] = 0.01
     if creep:  # a slow climb that the trailing band follows
-        loss += creep * np.clip((t - start) / 100.0, 0.0, 1.0)
+        loss += creep * np.clip((t - (start if creep_from is None else creep_from)) / 100.0, 0.0, 1.0)
     if bump is not None:
         loss[bump[0]:bump[1]] += 0.25  # below the label's 0.3-nat floor
     g = np.exp(0.1 * rng.standard_normal(N))
@@ -212,9 +215,7 @@ def _specificity_case(separates: bool, n_seeds: int = 6, after_onset_only: bool 
 
 def test_specificity_separates_when_the_score_rises_before_the_collapse():
     scores, info, y = _specificity_case(separates=True)
-    span = S.spans(info, y)
-    assert span == {"shock": 40}
-    sep = S.separation(S.window_scores(scores, info, span), info, y, pd.Series({"d": 3.0}), ["d"], n_boot=200)
+    sep = S.separation(S.window_scores(scores, info, 50), info, y, pd.Series({"d": 4.5}), ["d"], n_boot=200)
     r = sep.loc["d"]
     assert r.auc == 1.0 and r.auc_lo == pytest.approx(1.0) and r.n_seeds == 6 and r.precision == 1.0 and r.recall == 1.0
     c = C.interval_above("sep", "our own", r.auc, (r.auc_lo, r.auc_hi), int(r.n_seeds), above=0.5, test="AUC")
@@ -223,8 +224,7 @@ def test_specificity_separates_when_the_score_rises_before_the_collapse():
 
 def test_specificity_ignores_what_comes_after_the_label():
     scores, info, y = _specificity_case(separates=False, after_onset_only=True)
-    sep = S.separation(S.window_scores(scores, info, S.spans(info, y)), info, y, pd.Series({"d": 3.0}), ["d"],
-                       n_boot=200)
+    sep = S.separation(S.window_scores(scores, info, 50), info, y, pd.Series({"d": 3.0}), ["d"], n_boot=200)
     assert sep.loc["d"].auc < 0.9  # the jump after the onset is not seen
 
 
@@ -234,9 +234,8 @@ def test_specificity_interval_resamples_seeds_not_runs():
     info = pd.concat([info.assign(seed=0)] * 8)
     info.index = [f"{r}{i}" for i in range(8) for r in scores["run"].values]
     scores = xr.concat([scores] * 8, dim="run").assign_coords(run=info.index.values)
-    sep = S.separation(S.window_scores(scores, info, S.spans(info, y.reindex(info.index.str[:3]).set_axis(info.index))),
-                       info, y.reindex(info.index.str[:3]).set_axis(info.index), pd.Series({"d": 3.0}), ["d"],
-                       n_boot=200)
+    sep = S.separation(S.window_scores(scores, info, 50), info, y.reindex(info.index.str[:3]).set_axis(info.index),
+                       pd.Series({"d": 3.0}), ["d"], n_boot=200)
     r = sep.loc["d"]
     assert r.n_seeds == 1 and np.isnan(r.auc_lo)
     c = C.interval_above("sep", "our own", r.auc, (r.auc_lo, r.auc_hi), int(r.n_seeds), above=0.5, test="AUC")
@@ -258,6 +257,23 @@ def test_specificity_auc_is_scikit_learns():
     assert np.isnan(S._auc(np.ones(4), np.ones(4, bool)))
 
 
+def test_a_seed_resamples_auc_is_the_auc_of_its_runs():
+    """The Mann-Whitney sums per pair of seeds give, for any resample of seeds, the AUC of the runs of
+    the drawn seeds, each taken as often as its seed was drawn."""
+    rng = np.random.default_rng(3)
+    seeds = np.repeat(np.arange(6), 4)
+    score = np.round(rng.standard_normal(seeds.size), 1)  # ties
+    score[0] = np.inf
+    y = rng.random(seeds.size) < 0.5
+    idx, w = S._seed_counts(seeds, 50, seed=0)
+    got = S._resampled_auc(S._pairs_by_seed(score, y, idx, 6), w)
+    for b in range(50):
+        runs = np.concatenate([np.flatnonzero(seeds == u) for u in range(6) for _ in range(int(w[b, u]))])
+        assert got[b] == pytest.approx(S._auc(score[runs], y[runs]), abs=1e-12, nan_ok=True)
+    assert S._resampled_auc(S._pairs_by_seed(score, y, idx, 6), np.eye(6)[None].sum(axis=1)) == pytest.approx(
+        S._auc(score, y))
+
+
 def test_interval_above_passes_fails_and_goes_untested():
     ok = C.interval_above("c", "our own", 0.9, (0.8, 1.0), 6, above=0.5, test="AUC")
     bad = C.interval_above("c", "our own", 0.3, (0.2, 0.45), 6, above=0.5, test="AUC")
@@ -271,14 +287,12 @@ def test_interval_above_passes_fails_and_goes_untested():
 # -- the whole analysis on constructed runs -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def study():
+def _fixture_runs() -> dict[str, xr.Dataset]:
     """Main seeds 0-5 (calibration 0-2): an unperturbed run, a spike that collapses at 200 with a
-    grad_norm precursor 30 steps ahead, one that survives; null seeds 100-111 (calibration 100-105)."""
-    from stabstudy.analysis.studies import meta_state as M
-    from stabstudy.analysis.warning.labels import LabelRule
-    from stabstudy.online import MetaConfig
-
+    grad_norm precursor 30 steps ahead, one that survives; null seeds 100-111 (calibration 100-105);
+    on evaluation seeds 3-5 a run of a kind no one knows, started no one knows when: seed 3's loss creeps
+    up from step 130 and blows up at 230, seed 4's jumps at 230 (a grad_norm precursor 30 steps ahead
+    of both), seed 5's survives."""
     runs = {}
     for s in range(6):
         runs[f"u{s}"] = _run(s)
@@ -286,13 +300,28 @@ def study():
         runs[f"n{s}"] = _run(s, "outlier_batch", 150.0, noise=s + 70)
     for s in range(100, 112):
         runs[f"u{s}"] = _run(s)
-    ds = _grid(runs)
+    runs["h3"] = _run(3, "mystery", jump_at=230, creep=0.6, creep_from=130, precursor=30, noise=90)
+    runs["h4"] = _run(4, "mystery", jump_at=230, precursor=30, noise=91)
+    runs["h5"] = _run(5, "mystery", noise=92)
+    return runs
+
+
+def _analyse(ds: xr.Dataset, **kw):
+    from stabstudy.analysis.studies import meta_state as M
+    from stabstudy.analysis.warning.labels import LabelRule
+    from stabstudy.online import MetaConfig
+
     specs = [type("S", (), {"perturbations": ()})()]
     rule = LabelRule(window=50, k=6.0, min_excess=0.3, persist=20, burn_in=50)
     feats = ("grad_norm", "xgrad", "update_grad_cos", "attn_entropy_min")
     return M.analyse(ds, specs, calibration_seeds=[0, 1, 2, *range(100, 106)], rule=rule, meta_features=feats,
                      config=MetaConfig(window=32, min_periods=8, corr_window=16), n_components=2, budget=2.0,
-                     horizon=60, late=10, n_boot=100)
+                     horizon=60, late=10, n_boot=100, **kw)
+
+
+@pytest.fixture(scope="module")
+def study():
+    return _analyse(_grid(_fixture_runs()), held_out=("mystery",))
 
 
 def test_analysis_counts_the_independent_nulls_and_bounds_the_clip(study):
@@ -306,7 +335,7 @@ def test_analysis_counts_the_independent_nulls_and_bounds_the_clip(study):
     assert t2_q(z, study.pca)[0] <= study.params["t2_bound"]
 
 
-def test_analysis_outcomes_specificity_and_held_out_kinds(study):
+def test_analysis_outcomes_specificity_and_claims(study):
     from stabstudy.analysis.studies import meta_state as M
 
     assert set(study.outcomes.outcome[[f"c{s}" for s in range(6)]]) == {"explodes"}
@@ -314,17 +343,50 @@ def test_analysis_outcomes_specificity_and_held_out_kinds(study):
     m, single = study.specificity_choice["explodes"]
     assert tab.loc[single].auc == 1.0  # grad_norm rises before every collapse and never on survivors
     assert tab.loc[single].n_seeds == 3 and tab.loc[single].n_pos == 3 and tab.loc[single].n_neg == 3
-    ho = study.held_out
-    assert ho.kind.tolist() == ["lr_spike"] and ho.n_events.iloc[0] == 3
     verdicts = C.table(M.claims(study)).set_index("claim").verdict
     assert len(verdicts) == len(M.claims(study))
-    assert {v for c, v in verdicts.items() if "spontaneous" in c} == {"not tested"}
+    assert {v for c, v in verdicts.items() if "slow-onset events" in c} == {"not tested"}  # every spike jumps
+    assert any("earlier than the loss" in c for c in verdicts.index)
+    assert len([c for c in verdicts.index if c.startswith("held-out kind mystery")]) == 3
+
+
+def test_a_run_of_an_unknown_kind_started_at_an_unknown_step_is_scored_from_the_data(study):
+    """The held-out runs: kind ``mystery`` (in no table of the protocol), no start. The family comes from the
+    loss (seed 3 crept up before its blow-up), the warning window from the onset, and nothing of those
+    runs enters a threshold, the PCA or a choice."""
+    info = study.info
+    assert info.loc["h3", "family"] == "slow-onset" and info.loc["h4", "family"] == "shock"
+    assert not info.loc["h5", "event"] and np.isnan(info.loc["h3", "start"])
+    assert set(study.held_out_leads.index) == {"h3", "h4"}
+    assert study.held_out_leads.loc["h4", "OLMo z grad_norm"] == 30  # credited 30 steps ahead, no start needed
+    without = _analyse(_grid({k: v for k, v in _fixture_runs().items() if not k.startswith("h")}))
+    pd.testing.assert_series_equal(without.evaluation.thresholds, study.evaluation.thresholds)
+    assert without.best_meta == study.best_meta and without.best_single == study.best_single
+    np.testing.assert_array_equal(without.pca.components, study.pca.components)
+
+
+def test_the_protocol_reads_neither_the_kind_nor_the_start():
+    """Every perturbed run relabelled to an unknown kind with an unknown start: the same families,
+    thresholds, PCA, choices, outcome classes and alarms; a lead can only grow (the window, no longer
+    bounded by the start, opens at onset - horizon)."""
+    runs = {k: v for k, v in _fixture_runs().items() if not k.startswith("h")}
+    known = _analyse(_grid(runs))
+    blind = _analyse(_grid({k: v.assign(pert_kind="unknown", pert_start=np.nan) if str(v.pert_kind.values) != "none"
+                            else v for k, v in runs.items()}))
+    pd.testing.assert_series_equal(known.info.family, blind.info.family)
+    pd.testing.assert_series_equal(known.evaluation.thresholds, blind.evaluation.thresholds)
+    np.testing.assert_array_equal(known.pca.components, blind.pca.components)
+    assert known.best_meta == blind.best_meta and known.best_single == blind.best_single
+    pd.testing.assert_frame_equal(known.outcomes, blind.outcomes)
+    pd.testing.assert_frame_equal(known.alarms, blind.alarms)
+    k, b = known.evaluation.leads, blind.evaluation.leads
+    assert ((b >= k) | k.isna()).all(axis=None)
 
 
 def test_verdict_stability_reports_a_share_per_sensitivity_claim(study):
     from stabstudy.analysis.studies import meta_state as M
 
-    st = M.verdict_stability(study, n_resamples=8, seed=0)
+    st = R.verdict_stability(study, n_resamples=8, seed=0)
     base = C.table(M.sensitivity_claims(study))
     assert st.claim.tolist() == base.claim.tolist()
     assert ((st.same >= 0) & (st.same <= 1)).all() and (st.n_resamples == 8).all()
@@ -346,11 +408,11 @@ def _spont_info(onsets_cal, onsets_ev):
 def test_a_step_count_warns_when_every_seed_breaks_at_the_same_step_and_misses_when_onsets_spread():
     from stabstudy.analysis.studies import meta_state as M
 
-    t, ld = M.step_count(_spont_info([700, 705, 698], [702, 699, 704]), late=10, horizon=50, burn_in=100)
+    t, ld = M.step_count_baseline(_spont_info([700, 705, 698], [702, 699, 704]), late=10, horizon=50, burn_in=100)
     assert ld.notna().all() and (ld > 0).all() and 650 <= t <= 710
-    t, ld = M.step_count(_spont_info([700, 1200, 1700], [900, 1450, 1900]), late=10, horizon=50, burn_in=100)
+    t, ld = M.step_count_baseline(_spont_info([700, 1200, 1700], [900, 1450, 1900]), late=10, horizon=50, burn_in=100)
     assert ld.isna().all()  # one fixed step cannot be inside every warning window
-    t, ld = M.step_count(_spont_info([], [900]), late=10, horizon=50, burn_in=100)
+    t, ld = M.step_count_baseline(_spont_info([], [900]), late=10, horizon=50, burn_in=100)
     assert np.isnan(t) and ld.isna().all()
 
 
@@ -414,8 +476,97 @@ def test_pre_onset_directions_average_the_window_before_each_onset():
 
 
 def test_cross_domain_claim_of_a_domain_with_itself(study):
-    from stabstudy.analysis.studies import meta_state as M
 
-    dirs, claim = M.cross_domain(study, study, ("a", "b"), window=20, n_boot=50)
-    assert dirs.index.tolist() == ["a", "b"] and (dirs.events == 6).all()
+    dirs, claim = V.cross_domain(study, study, ("a", "b"), window=20, n_boot=50)
+    assert dirs.index.tolist() == ["a", "b"] and (dirs.events == 8).all()  # the held-out kind's 2 events too
     assert claim.effect == pytest.approx(1.0) and claim.n == 6
+
+
+# -- seeds as the units, robustness, nuisance alarms ---------------------------------------------------------
+
+
+def test_design_effect_sees_events_that_cluster_by_seed():
+    from stabstudy.analysis.warning import units as U
+
+    rng = np.random.default_rng(0)
+    seeds = pd.Series(np.repeat(np.arange(20), 5), index=[f"r{i}" for i in range(100)])
+    clustered = pd.Series(np.repeat(rng.normal(0, 10, 20), 5) + rng.normal(0, 1, 100), index=seeds.index)
+    independent = pd.Series(rng.normal(0, 10, 100), index=seeds.index)
+    de = U.design_effect(clustered, seeds)
+    assert de["k"] == 20 and de["m"] == 5 and de["icc"] > 0.9 and de["deff"] > 4.5 and de["n_eff"] < 25
+    assert U.design_effect(independent, seeds)["deff"] < 1.5
+    one = U.design_effect(independent.iloc[::5], seeds.iloc[::5])
+    assert one["deff"] == 1.0 and one["n_eff"] == 20
+    ps = U.per_seed(clustered, seeds)
+    assert len(ps) == 20 and ps.iloc[0] == pytest.approx(clustered.iloc[:5].mean())
+
+
+def test_a_verdict_is_robust_only_when_every_variation_gives_it():
+
+    base = pd.DataFrame({"claim": ["a", "b", "c"], "verdict": ["supported", "not supported", "not tested"]})
+    same = base.copy()
+    moved = base.assign(verdict=["supported", "inconclusive", "supported"])
+    rob = R.robust_verdicts(base, {"budget 2/1k": same, "horizon 50": moved}).set_index("claim")
+    assert rob.robust.tolist() == ["supported", "inconclusive", "not tested"]
+    assert rob.loc["b", "why"] == "not robust: horizon 50: inconclusive" and rob.loc["a", "why"] == ""
+    assert rob.loc["b", "budget 2/1k"] == "not supported"
+
+
+def test_the_protocol_varies_one_declared_setting_at_a_time(study):
+    from stabstudy.analysis.studies import meta_state as M
+    from stabstudy.analysis.warning.labels import LabelRule
+
+    ds = _grid(_fixture_runs())
+    specs = [type("S", (), {"perturbations": ()})()]
+    rule = LabelRule(window=50, k=6.0, min_excess=0.3, persist=20, burn_in=50)
+    kw = dict(calibration_seeds=[0, 1, 2, *range(100, 106)], rule=rule)
+    budget = R.vary(study, ds, specs, {"budget": 0.5}, **kw)
+    assert budget.scores is study.scores and budget.params["budget"] == 0.5  # nothing re-scored
+    assert (budget.evaluation.thresholds >= study.evaluation.thresholds).all()
+    window = R.vary(study, ds, specs, {"window": 16}, **kw)
+    assert window.params["config"].window == 16 and window.params["config"].min_periods == 4
+    same = [s.name for s in study.specs if not s.windowed]
+    xr.testing.assert_equal(window.scores.sel(detector=same), study.scores.sel(detector=same))
+    assert not np.array_equal(window.scores.sel(detector="EWMA z grad_norm").values,
+                              study.scores.sel(detector="EWMA z grad_norm").values, equal_nan=True)
+    fast = R.vary(study, ds, specs, {"slow": 100.0}, **kw)  # no creep is that steep: every onset a shock
+    assert set(fast.info[fast.info.event].family) == {"shock"} and study.info.loc["h3", "family"] == "slow-onset"
+    with pytest.raises(ValueError, match="valid: budget"):
+        R.vary(study, ds, specs, {"budjet": 2.0}, **kw)
+    table, rob = R.robustness(study, ds, specs, variations={"budget 0.5/1k": {"budget": 0.5}}, **kw)
+    assert list(rob.columns) == ["claim", "base", "budget 0.5/1k", "robust", "why"]
+    assert table.verdict.tolist() == rob.robust.tolist() and len(table) == len(M.claims(study))
+
+
+def test_alarms_count_whole_runs_false_nuisance_and_harmful(study):
+    """Any up-crossing from the burn-in on (an event run: up to onset + late) counts; on a perturbed run
+    that ends unaffected it is a nuisance alarm."""
+
+    n = 100
+    s = np.zeros((3, n))
+    s[0, 30] = 5.0  # before the burn-in: nothing
+    s[1, 80] = 5.0  # an unperturbed run's false alarm
+    s[2, 95] = 5.0  # after the event's window (onset 60 + late 10): nothing
+    scores = xr.DataArray(s[None], dims=("detector", "run", "step"),
+                          coords={"detector": ["d"], "run": ["a", "b", "c"], "step": np.arange(n)})
+    info = pd.DataFrame({"event": [False, False, True], "onset": [-1, -1, 60], "end": n}, index=["a", "b", "c"])
+    got = E.alarmed(scores, info, pd.Series({"d": 1.0}), late=10, burn_in=50)
+    assert got.d.tolist() == [False, True, False]
+    tab = V.alarm_table(study)
+    assert {"FA/1k", "false", "nuisance", "harmful", "held-out nuisance", "held-out harmful"} <= set(tab.columns)
+    m = study.best_meta["all"]
+    ev = study.info[(study.info.split == "evaluation") & (study.info.kind == "outlier_batch")]
+    calm = ev[study.outcomes.outcome.reindex(ev.index) == "unaffected"].index
+    assert tab.loc[m, "nuisance k/n"] == f"{int(study.alarms.loc[calm, m].sum())}/{len(calm)}"
+    assert tab.loc[m, "held-out harmful k/n"].endswith("/2")
+
+
+def test_the_controller_detector_is_chosen_with_both_rates(study):
+
+    rec = V.recommend(study, max_nuisance=1.0)
+    assert rec.chosen.sum() == 1 and set(rec.index) <= set(V.CONTROLLER)
+    # every candidate allowed: the largest calibration lead wins
+    assert rec[rec.chosen].index[0] == rec["calibration lead"].idxmax()
+    strict = V.recommend(study, max_nuisance=-1.0)  # none allowed: the fewest nuisance alarms
+    assert strict[strict.chosen]["calibration nuisance"].iloc[0] == strict["calibration nuisance"].min()
+    assert "threshold=" in rec.loc["OLMo z grad_norm", "line"]

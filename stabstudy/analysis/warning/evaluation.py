@@ -1,9 +1,11 @@
 """A fair comparison of streaming detectors: one false-alarm budget, thresholds and choices made on
-runs not used for evaluation, lead times paired over the same events.
+runs not used for evaluation, lead times paired over the same events, and a protocol that knows
+nothing a deployed monitor would not know.
 
 Protocol (every step index below is an optimizer update):
 
-1. every detector of a :func:`suite` is fed each run step by step (:func:`score_runs`);
+1. every detector of a :func:`suite` is fed each run step by step (:func:`score_runs`), over the
+   whole run;
 2. its threshold is the lowest one whose alarms (up-crossings: the score rising above the
    threshold) on the *calibration* unperturbed runs stay within ``budget`` per 1,000 steps
    (:func:`calibrate`). Only runs where nothing was done count as the null (column ``null`` of
@@ -11,16 +13,26 @@ Protocol (every step index below is an optimizer update):
    steps before the perturbation are bit-identical to its unperturbed twin, so counting them
    would count the same steps once per perturbation. The split is by seed, so no trajectory is
    used twice;
-3. on the *evaluation* runs, an event is detected when the first alarm (up-crossing) falls in its warning
-   window ``[warn_from, onset + late]``, ``warn_from = max(onset - horizon, perturbation start)``
-   (an alarm before the perturbation cannot be a warning of what it causes; lead = onset - alarm
-   step, negative when late); false alarms are up-crossings on the evaluation unperturbed runs,
-   per 1,000 of their event-free steps, and the table says how many such runs (the independent
-   unit) there were; ROC-AUC compares the detector's largest score over ``[warn_from, onset]``
-   with a window as long, ending at the median onset of the same family's events, of each
-   unperturbed run (:func:`window_max`, :func:`evaluate`);
-4. lead times of two detectors are compared over the same events with the Wilcoxon signed-rank
-   test, a missed event counting as the worst lead ``-(late + 1)`` (:func:`pairwise`).
+3. each event's *family* is its onset speed, measured on the loss by the label
+   (:func:`stabstudy.analysis.warning.labels.onset_rise`), never the perturbation kind's name; every
+   window is set by the labelled onset and ``horizon``, the same for every family;
+4. on the *evaluation* runs, an event is detected when the first alarm (up-crossing) falls in its
+   warning window ``[warn_from, onset + late]``, ``warn_from = max(onset - horizon, burn_in)``
+   (lead = onset - alarm step, negative when late). Where the run's perturbation start is known, an
+   alarm before it is no warning of what the perturbation causes: it is a false alarm, the same one
+   its unperturbed twin raises on the same steps (and counts), and the warning window opens at the
+   start; a run whose start is unknown (NaN) is scored from ``onset - horizon``. False alarms are
+   up-crossings on the evaluation unperturbed runs, per 1,000 of their event-free steps, and the table
+   says how many such runs (the independent unit) there were; an alarm anywhere on a perturbed run
+   that ends unaffected is a *nuisance alarm* (:func:`alarmed`). ROC-AUC compares the detector's
+   largest score over ``[onset - horizon, onset]`` with a window as long, ending at the median onset
+   of the same family's events, of each unperturbed run (:func:`window_max`, :func:`evaluate`);
+5. lead times of two detectors are compared over the same events with the Wilcoxon signed-rank
+   test, a missed event counting as the worst lead ``-(late + 1)`` (:func:`pairwise`; the claims
+   of notebook 04 compare per-seed means, seeds being the independent units).
+
+The perturbation kind and start enter nothing above except that ground truth of step 4 (an alarm before a
+perturbation cannot warn of it) and the manipulation checks (:data:`DESIGNED`).
 
 Whether a score tells the perturbed runs that will collapse from those that will not is a
 separate question, answered among perturbed runs only (:mod:`stabstudy.analysis.warning.specificity`).
@@ -44,10 +56,10 @@ from stabstudy.analysis.warning.metastate import fit_pca, replay
 from stabstudy.online import META_STATISTICS, MetaConfig, MetaDetector, MetaState, PCAModel
 from stabstudy.online import features as F
 
-#: Event family of a run by its perturbation kind (``none``: an unperturbed run).
-FAMILY: dict[str, str] = {"lr_ramp": "slow-onset", "lr_spike": "shock", "outlier_batch": "shock",
-                          "weight_noise": "shock", "reinit_layer": "shock", "loss_scale": "shock",
-                          "none": "spontaneous"}
+#: The event family each perturbation kind was designed to give: read by the manipulation check only
+#: (does the onset speed the label measures agree with the design?), never by the protocol, whose
+#: families come from the data (:func:`run_info`).
+DESIGNED: dict[str, str] = {"lr_ramp": "slow-onset", "lr_spike": "shock", "outlier_batch": "shock"}
 #: Meta-state statistics a suite can read (``meta:<stat>``).
 META_STATS = ("t2", "q", "coordination")
 
@@ -55,13 +67,15 @@ META_STATS = ("t2", "q", "coordination")
 @dataclass(frozen=True)
 class DetectorSpec:
     """One row of the comparison: a ``name``, the ``feature`` it reads (``meta:<stat>`` for the
-    meta-state), its ``family`` (``performance``, ``single``, ``meta`` or ``knob-aware``) and a
-    factory of fresh :class:`stabstudy.online.Detector` objects."""
+    meta-state), its ``family`` (``performance``, ``single``, ``meta`` or ``knob-aware``), a
+    factory of fresh :class:`stabstudy.online.Detector` objects and whether it reads the suite's
+    trailing ``window``, ``ewma`` or ``clip`` (``windowed``: a change of those re-scores it alone)."""
 
     name: str
     feature: str
     family: str
     make: Callable[[], D.Detector] = field(compare=False, repr=False)
+    windowed: bool = False
 
 
 def suite(kinds: Sequence[str], meta_features: Sequence[str], *, olmo_window: int = 128, window: int = 64,
@@ -87,15 +101,15 @@ def suite(kinds: Sequence[str], meta_features: Sequence[str], *, olmo_window: in
     # OLMo's z scores from 32 past values on (the window then fills up to 128), so that a short run
     # is watched over the same steps as by the other detectors
     specs = [
-        DetectorSpec("loss robust z (performance)", "loss", "performance", robust("loss_z", "up")),
+        DetectorSpec("loss robust z (performance)", "loss", "performance", robust("loss_z", "up"), True),
         DetectorSpec("OLMo z loss", "loss", "performance", lambda: D.WindowZ("olmo_loss", olmo_window)),
         DetectorSpec("OLMo z grad_norm", "grad_norm", "single", lambda: D.WindowZ("olmo_grad", olmo_window)),
         DetectorSpec("ZClip z grad_norm", "grad_norm", "single", lambda: D.ZClipZ("zclip")),
-        DetectorSpec("update-norm z", "update_norm/lr", "single", robust("update_z", "up")),
-        DetectorSpec("cos(update, -g) z", "update_grad_cos", "single", robust("cos_z", "down")),
-        DetectorSpec("xgrad z", "xgrad", "single", robust("xgrad_z", "down")),
-        DetectorSpec("attn_logit_max z", "attn_logit_max", "single", robust("attn_logit_z", "up")),
-        DetectorSpec("attn_entropy_min z", "attn_entropy_min", "single", robust("attn_entropy_z", "down")),
+        DetectorSpec("update-norm z", "update_norm/lr", "single", robust("update_z", "up"), True),
+        DetectorSpec("cos(update, -g) z", "update_grad_cos", "single", robust("cos_z", "down"), True),
+        DetectorSpec("xgrad z", "xgrad", "single", robust("xgrad_z", "down"), True),
+        DetectorSpec("attn_logit_max z", "attn_logit_max", "single", robust("attn_logit_z", "up"), True),
+        DetectorSpec("attn_entropy_min z", "attn_entropy_min", "single", robust("attn_entropy_z", "down"), True),
     ]
     d, w, s = ews
     for ch, perf in (("loss", "performance"), ("grad_norm", "single")):
@@ -103,15 +117,16 @@ def suite(kinds: Sequence[str], meta_features: Sequence[str], *, olmo_window: in
             specs.append(DetectorSpec(f"EWS tau({ind}) {ch}", ch, perf,
                                       lambda ind=ind: D.KendallEWS(f"ews_{ind}", ind, d, w, s)))
     if river:
-        specs += [DetectorSpec("ADWIN grad_norm", "grad_norm", "single", lambda: D.ADWINGrid(window=window)),
-                  DetectorSpec("Page-Hinkley grad_norm", "grad_norm", "single", lambda: D.PageHinkley(window=window))]
+        specs += [DetectorSpec("ADWIN grad_norm", "grad_norm", "single", lambda: D.ADWINGrid(window=window), True),
+                  DetectorSpec("Page-Hinkley grad_norm", "grad_norm", "single", lambda: D.PageHinkley(window=window),
+                               True)]
     if lambda_max:
         specs.append(DetectorSpec("lambda_max vs 2/lr", "lambda_max*lr/2", "knob-aware",
                                   lambda: D.Level("lambda_max_lr", threshold=1.0)))
     for f in meta_features:
-        specs.append(DetectorSpec(f"EWMA z {f}", f, "single", robust(f"ewma_z_{f}", "both", ewma, clip)))
+        specs.append(DetectorSpec(f"EWMA z {f}", f, "single", robust(f"ewma_z_{f}", "both", ewma, clip), True))
     for stat in META_STATS:
-        specs.append(DetectorSpec(f"meta-state {stat}", f"meta:{stat}", "meta", lambda stat=stat: D.Level(stat)))
+        specs.append(DetectorSpec(f"meta-state {stat}", f"meta:{stat}", "meta", lambda stat=stat: D.Level(stat), True))
     for sp in specs:
         if not sp.feature.startswith("meta:"):
             F.check([sp.feature], kinds, knob_aware=sp.family == "knob-aware")
@@ -140,8 +155,17 @@ def before_clip(ds: xr.Dataset) -> xr.Dataset:
     return out.assign_attrs({BEFORE_CLIP_ATTR: f"{int(has.sum())} of {n}"})
 
 
-def _channels(ds: xr.Dataset, run: str, names: set[str]) -> dict[str, np.ndarray]:
-    return {c: np.asarray(ds[c].sel(run=run).values, dtype=float) for c in names if c in ds}
+class _Channels:
+    """The (run, step) arrays of the channels ``names`` that ``ds`` records, read once: one run's are
+    rows of them (selecting by label run after run costs more than the detectors)."""
+
+    def __init__(self, ds: xr.Dataset, names: set[str]):
+        self.arrays = {c: np.asarray(ds[c].transpose("run", "step").values, dtype=float) for c in names if c in ds}
+        self.row = {r: i for i, r in enumerate(ds["run"].values)}
+
+    def __call__(self, run: str) -> dict[str, np.ndarray]:
+        i = self.row[run]
+        return {c: a[i] for c, a in self.arrays.items()}
 
 
 def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | None, config: MetaConfig,
@@ -154,8 +178,9 @@ def meta_streams(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | N
     n_run, n_step = ds.sizes["run"], ds.sizes["step"]
     out = {k: np.full((n_run, n_step), np.nan) for k in ("t2", "q", "coordination", "eff_dim")}
     z = np.full((n_run, n_step, len(meta_features)), np.nan)
+    channels = _Channels(ds, need)
     for i, run in enumerate(ds["run"].values):
-        x = F.matrix(_channels(ds, run, need), meta_features, kinds)
+        x = F.matrix(channels(run), meta_features, kinds)
         for t, r in enumerate(MetaState(meta_features, pca, config, kinds).replay(x[:n_step])):
             out["t2"][i, t], out["q"][i, t], out["coordination"][i, t], out["eff_dim"][i, t] = r[:4]
             z[i, t] = r.z
@@ -171,7 +196,8 @@ def meta_replay(ds: xr.Dataset, meta_features: Sequence[str], pca: PCAModel | No
     F.check(meta_features, kinds)
     need = F.channels_of(meta_features)
     stats = ("t2", "q", "coordination", "eff_dim")
-    parts = [replay(F.matrix(_channels(ds, run, need), meta_features, kinds), pca, config) for run in ds["run"].values]
+    channels = _Channels(ds, need)
+    parts = [replay(F.matrix(channels(run), meta_features, kinds), pca, config) for run in ds["run"].values]
     coords = {"run": ds["run"].values, "step": ds["step"].values, "feature": list(meta_features)}
     return xr.Dataset({**{k: (("run", "step"), np.stack([p[k] for p in parts])) for k in stats},
                        "z": (("run", "step", "feature"), np.stack([p["z"] for p in parts]))}, coords=coords)
@@ -190,8 +216,9 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
     need = F.channels_of(feats)
     out = np.full((len(specs), ds.sizes["run"], ds.sizes["step"]), np.nan)
     runs = ds["run"].values
+    channels = _Channels(ds, need)
     for i, run in enumerate(tqdm(runs, desc="detectors", disable=not progress, mininterval=10)):  # few redraws
-        data = _channels(ds, run, need)
+        data = channels(run)
         cols = {f: F.column(data, f) for f in set(feats) if F.channels_of([f]) <= set(data)}
         for j, sp in enumerate(specs):
             if sp.feature.startswith("meta:"):
@@ -208,28 +235,34 @@ def score_runs(ds: xr.Dataset, specs: Sequence[DetectorSpec], meta: xr.Dataset |
 
 
 def run_info(ds: xr.Dataset, labels: pd.DataFrame, calibration_seeds: Sequence[int]) -> pd.DataFrame:
-    """One row per run (index run): ``seed, kind, dose, start, duration, family, event, onset, end``
-    (steps with a finite loss), ``split`` (``calibration`` when the seed is in
-    ``calibration_seeds``, else ``evaluation``) and ``null``: nothing was done to the run (no
-    perturbation, and the hyperparameters of the perturbed runs, so a spontaneous family's other
-    configuration is not the null); ``labels`` from
-    :func:`stabstudy.analysis.warning.labels.label_runs`."""
+    """One row per run (index run): ``seed, kind, dose, start, duration``, ``event, onset``,
+    ``family`` (the event's onset speed from ``labels``; empty without an event), ``end`` (steps with
+    a finite loss), ``split`` (``calibration`` when the seed is in ``calibration_seeds``, else
+    ``evaluation``) and ``null``: nothing was done to the run (no perturbation, and the
+    hyperparameters of the perturbed runs, so a spontaneous family's other configuration is not the
+    null); ``labels`` from :func:`stabstudy.analysis.warning.labels.label_runs`.
+
+    ``kind``, ``dose``, ``start`` and ``duration`` are what was done, for the scoring's ground truth
+    and the manipulation checks; the family never reads them. Labels without a ``family`` column (an
+    event judged from sparse evaluations, as RL's, whose resolution cannot tell a creeping onset from
+    a sudden one) make every event a ``shock``."""
     # load_runs attaches the hyperparameters as coordinates along run (a hand-built Dataset may hold
     # them as data variables): both are read, or every run would look like one configuration
     hp = sorted(str(v) for v in ds.variables if str(v).startswith("hp_") and ds[v].dims == ("run",))
+    col = {v: np.asarray(ds[v].values) for v in ("pert_kind", "seed", "pert_dose", "pert_start", "pert_duration", *hp)}
+    loss = np.asarray(ds["loss"].transpose("run", "step").values, dtype=float)
     rows = []
-    for run in ds["run"].values:
-        kind = str(ds["pert_kind"].sel(run=run).values)
-        loss = np.asarray(ds["loss"].sel(run=run).values, dtype=float)
-        fin = np.flatnonzero(np.isfinite(loss))
-        seed = int(ds["seed"].sel(run=run).values)
-        rows.append({"run": run, "seed": seed, "kind": kind, "dose": float(ds["pert_dose"].sel(run=run).values),
-                     "start": float(ds["pert_start"].sel(run=run).values),
-                     "duration": float(ds["pert_duration"].sel(run=run).values),
-                     "family": FAMILY.get(kind, "shock"), "event": bool(labels.loc[run, "event"]),
+    for i, run in enumerate(ds["run"].values):
+        fin = np.flatnonzero(np.isfinite(loss[i]))
+        seed = int(col["seed"][i])
+        event = bool(labels.loc[run, "event"])
+        fam = str(labels.loc[run, "family"]) if "family" in labels else "shock"
+        rows.append({"run": run, "seed": seed, "kind": str(col["pert_kind"][i]), "dose": float(col["pert_dose"][i]),
+                     "start": float(col["pert_start"][i]), "duration": float(col["pert_duration"][i]),
+                     "family": fam if event else "", "event": event,
                      "onset": int(labels.loc[run, "onset"]), "end": int(fin[-1] + 1) if fin.size else 0,
                      "split": "calibration" if seed in set(calibration_seeds) else "evaluation",
-                     "config": repr([ds[v].sel(run=run).values.item() for v in hp])})
+                     "config": repr([col[v][i].item() if hasattr(col[v][i], "item") else col[v][i] for v in hp])})
     info = pd.DataFrame(rows).set_index("run")
     perturbed = info[info.kind != "none"]
     base = (perturbed if len(perturbed) else info).config.mode().iloc[0]
@@ -245,8 +278,9 @@ def null_runs(info: pd.DataFrame, split: str) -> pd.DataFrame:
 
 
 def warn_from(x: pd.Series, horizon: int, burn_in: int) -> int:
-    """First step of an event's warning window: ``max(onset - horizon, perturbation start, burn_in)``."""
-    start = x.start if np.isfinite(x.start) else -np.inf
+    """First step of an event's warning window: ``max(onset - horizon, burn_in)``, and not before the
+    perturbation's start where it is known (``x.start`` finite; module docstring, step 4)."""
+    start = x.start if "start" in x and np.isfinite(x.start) else -np.inf
     return int(max(x.onset - horizon, start, burn_in))
 
 
@@ -394,28 +428,51 @@ def auc(pos: np.ndarray, neg: np.ndarray, n_boot: int, seed: int) -> tuple[float
     return value, float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
+def horizon_from(x: pd.Series, horizon: int, burn_in: int) -> int:
+    """First step of an event's AUC window, ``max(onset - horizon, burn_in)``: the same for every
+    event whatever was done to its run (no perturbation start)."""
+    return int(max(x.onset - horizon, burn_in))
+
+
 def window_max(scores: xr.DataArray, info: pd.DataFrame, horizon: int, burn_in: int,
                events: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Largest score of each detector (columns) over ``[warn_from, onset]`` of each event run and over
-    a window as long as the median of those, ending at their median onset, of each null run (rows).
+    """Largest score of each detector (columns) over ``[onset - horizon, onset]`` (:func:`horizon_from`)
+    of each event run and over a window as long as the median of those, ending at their median onset,
+    of each null run (rows).
 
     ``events`` (default: the event runs of ``info``) sets the null windows' position, so that a
-    family's events are compared with null runs at the same point of training (a shock's window
-    with the same steps of runs whose shock did not collapse them).
+    family's events are compared with null runs at the same point of training.
     """
     ev = info[info.event] if events is None else events
     t0 = int(np.median(ev.onset)) if len(ev) else int(info.end.median()) - 1
-    span = int(np.median([x.onset - warn_from(x, horizon, burn_in) for _, x in ev.iterrows()])) if len(ev) else horizon
+    span = int(np.median([x.onset - horizon_from(x, horizon, burn_in) for _, x in ev.iterrows()])) if len(ev) else horizon
     out = pd.DataFrame(np.nan, index=info.index, columns=scores["detector"].values)
     vals = scores.transpose("run", "detector", "step").sel(run=info.index.values).values
     for i, (run, x) in enumerate(info.iterrows()):
         end = int(x.onset) if x.event else min(t0, int(x.end) - 1)
-        a = warn_from(x, horizon, burn_in) if x.event else max(end - span, burn_in)
+        a = horizon_from(x, horizon, burn_in) if x.event else max(end - span, burn_in)
         w = vals[i, :, a:end + 1]
         if w.shape[1]:
             seen = ~np.isnan(w)
             out.loc[run] = np.where(seen.any(axis=1), np.where(seen, w, -np.inf).max(axis=1), np.nan)
     return out
+
+
+def alarmed(scores: xr.DataArray, info: pd.DataFrame, thresholds: pd.Series, *, late: int,
+            burn_in: int) -> pd.DataFrame:
+    """Whether each detector (columns) alarmed at all on each run of ``info`` (rows): an up-crossing of
+    its threshold anywhere from ``burn_in`` to the end of the run (an event run: to ``onset + late``,
+    the end of its warning window). Blind to what was done to the run: on an unperturbed run it is a
+    false alarm, on a perturbed run that ends unaffected a nuisance alarm, on a harmed run an alarm
+    the harm may justify."""
+    dets = scores["detector"].values
+    vals = scores.transpose("detector", "run", "step").sel(run=info.index.values).values
+    thr = thresholds.loc[dets].to_numpy(dtype=float)
+    out = np.zeros((len(info), len(dets)), bool)
+    for i, (_, x) in enumerate(info.iterrows()):
+        stop = int(x.onset + late) if x.event else int(x.end) - 1
+        out[i] = first_alarms(vals[:, i], thr, burn_in, stop) >= 0
+    return pd.DataFrame(out, index=info.index, columns=dets)
 
 
 @dataclass
@@ -425,7 +482,7 @@ class Evaluation:
     when missed), ``fa_runs`` (evaluation null runs x detectors: false alarms per 1,000 of the
     run's event-free steps), ``windows`` (event family -> :func:`window_max` of the evaluation
     runs for that family), ``in_alarm_runs`` (like ``fa_runs``: the share of those steps above
-    the threshold, :func:`time_in_alarm`; None where not measured)."""
+    the threshold, :func:`time_in_alarm`; None where not measured), ``alarmed``."""
 
     thresholds: pd.Series
     table: pd.DataFrame
@@ -433,6 +490,8 @@ class Evaluation:
     fa_runs: pd.DataFrame
     windows: dict[str, pd.DataFrame]
     in_alarm_runs: pd.DataFrame | None = None
+    alarmed: pd.DataFrame | None = None
+    """evaluation runs x detectors: :func:`alarmed` (None where not measured)"""
 
 
 def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorSpec], *, budget: float = 1.0,
@@ -444,7 +503,8 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
     (Clopper-Pearson), ``lead_median, lead_lo, lead_hi`` (bootstrap over detected events),
     ``fa_per_1k`` (event-free steps of the evaluation unperturbed runs), ``n_null`` (those runs:
     the independent unit of the false-alarm rate), ``in_alarm`` (share of those steps above the
-    threshold), ``auc, auc_lo, auc_hi``, ``threshold``."""
+    threshold), ``auc, auc_lo, auc_hi``, ``threshold``. ``n_boot=0`` leaves the bootstrap intervals
+    out (NaN): a recomputation that reads only thresholds, leads and alarms."""
     from stabstudy.analysis.claims import rate_ci
 
     runs = list(scores["run"].values)
@@ -483,9 +543,14 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
             ld = lead.loc[evs.index, det].to_numpy(float)
             hit = int(np.isfinite(ld).sum())
             lo, hi = rate_ci(hit, len(evs))
-            med, mlo, mhi = _median_ci(ld, n_boot, seed + k)
-            a, alo, ahi = auc(win[fam].loc[evs.index, det].to_numpy(float), win[fam].loc[nulls.index, det].to_numpy(float),
-                              n_boot, seed + k)
+            pos, neg = win[fam].loc[evs.index, det].to_numpy(float), win[fam].loc[nulls.index, det].to_numpy(float)
+            if n_boot:
+                med, mlo, mhi = _median_ci(ld, n_boot, seed + k)
+                a, alo, ahi = auc(pos, neg, n_boot, seed + k)
+            else:
+                med, mlo, mhi = float(np.nanmedian(ld)) if np.isfinite(ld).any() else np.nan, np.nan, np.nan
+                p_, n_ = pos[~np.isnan(pos) & (pos != -np.inf)], neg[~np.isnan(neg) & (neg != -np.inf)]
+                a, alo, ahi = (float(auc_pairs(p_, n_)) if p_.size and n_.size else np.nan), np.nan, np.nan
             rows.append({"detector": det, "family": kind_of.get(det, ""), "events": fam, "n_events": len(evs),
                          "n_detected": hit, "rate": hit / len(evs) if len(evs) else np.nan, "rate_lo": lo,
                          "rate_hi": hi, "lead_median": med, "lead_lo": mlo, "lead_hi": mhi,
@@ -493,7 +558,8 @@ def evaluate(scores: xr.DataArray, info: pd.DataFrame, specs: Sequence[DetectorS
                          "n_null": len(quiet),
                          "auc": a, "auc_lo": alo,
                          "auc_hi": ahi, "threshold": thresholds[det]})
-    return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win, in_alarm_runs)
+    alarms = alarmed(scores, ev_info, thresholds, late=late, burn_in=burn_in)
+    return Evaluation(thresholds, pd.DataFrame(rows), lead, fa_runs, win, in_alarm_runs, alarms)
 
 
 def best(lead: pd.DataFrame, candidates: Sequence[str], late: int) -> str:
@@ -537,6 +603,7 @@ def in_control_rows(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[
     """Smoothed z rows (shape (row, feature)) of the in-control steps of the runs of ``info``:
     from ``burn_in`` to the first of the perturbation start, ``onset - horizon`` and the run's end."""
     need = F.channels_of(meta_features)
+    channels = _Channels(ds, need)
     rows = []
     for run, x in info.iterrows():
         stop = int(x.end)
@@ -546,7 +613,7 @@ def in_control_rows(ds: xr.Dataset, info: pd.DataFrame, meta_features: Sequence[
             stop = min(stop, int(x.onset - horizon))
         if stop <= burn_in:
             continue
-        zs = replay(F.matrix(_channels(ds, run, need), meta_features, kinds), None, config)["zs"]
+        zs = replay(F.matrix(channels(run), meta_features, kinds), None, config)["zs"]
         rows.append(zs[burn_in:stop])
     return np.concatenate(rows) if rows else np.empty((0, len(meta_features)))
 

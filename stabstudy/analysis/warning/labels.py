@@ -8,6 +8,16 @@ above its band while at least ``frac`` of the ``persist`` measurements from ``t`
 that same (frozen) band. A non-finite loss counts as out of the band, and so does every step
 after the end of a diverged run. A run with no such ``t`` gets the null label.
 
+Each event also gets an *onset speed*, measured on the same channel before the onset and never from
+what was done to the run: the ``rise`` of the band's trailing level over the ``window`` measurements
+before the onset (its level at the onset minus the lowest level in that stretch), in units of the
+label's smallest band half-width ``min_excess`` (the smallest rise it counts as a collapse; the band's
+own width is no unit here, since a creeping loss widens it). An onset whose level had already climbed
+by ``slow`` of those units is ``slow-onset`` (the loss crept up before the blow-up);
+otherwise it is a ``shock`` (the loss jumped from where it was). These are the event families of the
+early-warning protocol (:mod:`stabstudy.analysis.warning.evaluation`): a deployed monitor knows no
+perturbation kind, so neither may the family.
+
 Only the named performance channel (and the run's ``status``) is read: the label never sees a
 telemetry channel, so no detector can be favoured by sharing inputs with its own target.
 """
@@ -24,6 +34,8 @@ from stabstudy.online.robust import MAD_SCALE, rolling_median_mad
 
 #: Performance channels a label may read -> whether higher values are worse (a loss) or better.
 PERFORMANCE: dict[str, bool] = {"loss": True, "ce_loss": True, "val_loss": True, "perf": False}
+#: Event families by onset speed (module docstring), slowest first.
+FAMILIES: tuple[str, ...] = ("slow-onset", "shock")
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,8 @@ class LabelRule:
         persist: measurements, from the onset on, over which the value must stay out.
         frac: share of those ``persist`` measurements that must be out (noise may dip back in).
         burn_in: no onset before this step (the loss falls fastest at the start).
+        slow: rise of the trailing level over the ``window`` measurements before an onset, in units
+            of ``min_excess``, from which the onset is ``slow-onset`` (module docstring).
     """
 
     channel: str = "loss"
@@ -48,13 +62,14 @@ class LabelRule:
     persist: int = 20
     frac: float = 0.8
     burn_in: int = 50
+    slow: float = 0.25
 
     def __post_init__(self) -> None:
         if self.channel not in PERFORMANCE:
             raise ValueError(f"a label reads performance only; {self.channel!r} is not one of "
                              f"{', '.join(PERFORMANCE)}")
-        if self.window < 3 or self.persist < 1 or not 0 < self.frac <= 1 or self.k <= 0:
-            raise ValueError(f"invalid label rule {self}: window >= 3, persist >= 1, 0 < frac <= 1, k > 0")
+        if self.window < 3 or self.persist < 1 or not 0 < self.frac <= 1 or self.k <= 0 or self.slow <= 0:
+            raise ValueError(f"invalid label rule {self}: window >= 3, persist >= 1, 0 < frac <= 1, k > 0, slow > 0")
 
 
 def band(values: np.ndarray, window: int, k: float, min_excess: float) -> tuple[np.ndarray, np.ndarray]:
@@ -99,20 +114,47 @@ def onset(values: np.ndarray, rule: LabelRule, diverged: bool = False, steps: np
     return -1, np.nan, np.nan
 
 
-def label_run(ds: xr.Dataset, rule: LabelRule) -> dict[str, float | int | bool]:
+def onset_rise(values: np.ndarray, index: int, rule: LabelRule) -> float:
+    """Rise of the band's trailing level over the ``rule.window`` measurements before measurement
+    ``index`` of a 1-D series (higher is worse), in units of ``rule.min_excess`` (module docstring;
+    without a floor, of the band's half-width where the level was lowest); NaN when the band is
+    undefined there."""
+    x = np.asarray(values, dtype=float)
+    level, upper = band(x, rule.window, rule.k, rule.min_excess)
+    a = max(index - rule.window, 0)
+    seg = level[a:index + 1]
+    if not np.isfinite(seg).any() or not np.isfinite(level[index]):
+        return np.nan
+    low = a + int(np.nanargmin(seg))
+    unit = rule.min_excess if rule.min_excess > 0 else upper[low] - level[low]
+    return float((level[index] - level[low]) / unit) if unit > 0 else np.nan
+
+
+def family(rise: float, rule: LabelRule) -> str:
+    """The event family of an onset whose level rose by ``rise`` half-widths (:func:`onset_rise`):
+    ``slow-onset`` from ``rule.slow`` on, else ``shock`` (an undefined rise: the loss had no band to
+    climb in, a shock)."""
+    return FAMILIES[0] if np.isfinite(rise) and rise >= rule.slow else FAMILIES[1]
+
+
+def label_run(ds: xr.Dataset, rule: LabelRule) -> dict[str, float | int | bool | str]:
     """Label one run (a Dataset with dimension ``step``): ``event``, ``onset`` (step, -1 for the
-    null label), ``level``, ``excess``. Reads ``rule.channel`` and ``attrs``/coordinate
-    ``status`` only."""
+    null label), ``level``, ``excess``, ``rise`` (:func:`onset_rise`, NaN for the null label) and
+    ``family`` (:func:`family`; empty for the null label). Reads ``rule.channel`` and
+    ``attrs``/coordinate ``status`` only."""
     status = str(ds.attrs.get("status", ds.coords["status"].values if "status" in ds.coords else "ok"))
-    y = np.asarray(ds[rule.channel].values, dtype=float)
-    steps = np.asarray(ds["step"].values)
+    return _label(np.asarray(ds[rule.channel].values, dtype=float), np.asarray(ds["step"].values), status, rule)
+
+
+def _label(y: np.ndarray, steps: np.ndarray, status: str, rule: LabelRule) -> dict[str, float | int | bool | str]:
+    """:func:`label_run` of the series ``y`` of ``rule.channel`` at ``steps``, of a run whose status is ``status``."""
     if not PERFORMANCE[rule.channel]:
         y = -y
     finite = np.flatnonzero(np.isfinite(y))
     diverged = status == "diverged"
     if finite.size == 0:
         return {"event": diverged, "onset": int(steps[0]) if diverged else -1, "level": np.nan,
-                "excess": np.inf if diverged else np.nan}
+                "excess": np.inf if diverged else np.nan, "rise": np.nan, "family": FAMILIES[1] if diverged else ""}
     # a sparse channel (val_loss) is labelled on its measurements; a diverged run keeps its last
     # (non-finite) loss as the break
     last = finite[-1]
@@ -122,21 +164,24 @@ def label_run(ds: xr.Dataset, rule: LabelRule) -> dict[str, float | int | bool]:
         if after.size:
             keep = np.append(finite, last + 1 + after[0])
     i, level, excess = onset(y[keep], rule, diverged=diverged, steps=steps[keep])
-    return {"event": i >= 0, "onset": int(steps[keep][i]) if i >= 0 else -1, "level": level, "excess": excess}
+    if i < 0:
+        return {"event": False, "onset": -1, "level": level, "excess": excess, "rise": np.nan, "family": ""}
+    rise = onset_rise(y[keep], i, rule)
+    return {"event": True, "onset": int(steps[keep][i]), "level": level, "excess": excess, "rise": rise,
+            "family": family(rise, rule)}
 
 
 def label_runs(ds: xr.Dataset, rule: LabelRule | None = None) -> pd.DataFrame:
     """:func:`label_run` for every run of a ``(run, step)`` Dataset (:func:`stabstudy.run.store.load_runs`).
 
     Returns one row per run (index ``run``): ``event`` (bool), ``onset`` (step, -1 when none),
-    ``level``, ``excess``. A NaN-padded tail (a run shorter than the longest) is not data: it is
-    cut at the run's last finite value before labelling, except that a diverged run keeps
-    its first non-finite value as the break.
+    ``level``, ``excess``, ``rise`` and ``family`` (the onset's speed). A NaN-padded tail (a run
+    shorter than the longest) is not data: it is cut at the run's last finite value before
+    labelling, except that a diverged run keeps its first non-finite value as the break.
     """
     rule = rule or LabelRule()
-    rows = []
-    for run in ds["run"].values:
-        one = ds[[rule.channel]].sel(run=run)
-        one.attrs["status"] = str(ds["status"].sel(run=run).values) if "status" in ds.coords else "ok"
-        rows.append({"run": run, **label_run(one, rule)})
+    y = np.asarray(ds[rule.channel].transpose("run", "step").values, dtype=float)
+    steps = np.asarray(ds["step"].values)
+    status = np.asarray(ds["status"].values) if "status" in ds.coords else np.full(y.shape[0], "ok")
+    rows = [{"run": run, **_label(y[i], steps, str(status[i]), rule)} for i, run in enumerate(ds["run"].values)]
     return pd.DataFrame(rows).set_index("run")

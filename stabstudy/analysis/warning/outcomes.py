@@ -13,9 +13,12 @@ reference*, the per-step band of the unperturbed calibration runs:
 * ``explodes``: the blow-up label fired (or the loss went non-finite);
 * ``silently degrades``: no blow-up, but the loss ends above the band (mean of the last ``final``
   steps above ``m + h`` there);
-* ``recovers``: no blow-up, at least ``persist`` steps above the band after the perturbation
-  started, and back inside it at the end;
+* ``recovers``: no blow-up, at least ``persist`` steps above the band after ``burn_in``, and back
+  inside it at the end;
 * ``unaffected``: none of these.
+
+Like the label, a class reads the loss alone, never what was done to the run or when (before a
+perturbation a run is its unperturbed twin, whose steps the band covers).
 
 Attention-entropy collapse is its own outcome (``entropy_collapse``), from the same construction on
 ``attn_entropy_min`` with the band's lower edge: the run ends below ``m_E - h_E``. It is NaN when
@@ -45,7 +48,7 @@ class OutcomeRule:
     final: int = 20
     """last steps whose mean decides where a run ends"""
     persist: int = 10
-    """steps above the band, after the perturbation started, that count as a departure"""
+    """steps above the band, after ``burn_in``, that count as a departure"""
     margin: float = 1.0
     """band half-width as a multiple of the largest excursion of an unperturbed calibration run"""
     burn_in: int = 50
@@ -78,12 +81,12 @@ def classify(ds: xr.Dataset, info: pd.DataFrame, reference_runs, rule: OutcomeRu
 
     Args:
         ds: the runs (dims run, step).
-        info: needs ``event`` (the blow-up label) and ``start`` (perturbation start, NaN for none).
+        info: needs ``event`` (the blow-up label).
         reference_runs: the unperturbed calibration runs that set the band (at least 2).
     Returns:
         index run; ``outcome`` (one of :data:`OUTCOMES`), ``final_excess`` (mean of the last
         ``final`` smoothed losses minus the reference's, in the channel's units), ``above_steps``
-        (steps above the band after the start), ``band`` (the half-width), ``entropy_collapse``
+        (steps above the band after ``burn_in``), ``band`` (the half-width), ``entropy_collapse``
         (bool, NaN without the channel).
     """
     rule = rule or OutcomeRule()
@@ -100,8 +103,8 @@ def classify(ds: xr.Dataset, info: pd.DataFrame, reference_runs, rule: OutcomeRu
         e = np.where(np.isinf(e), -np.inf, e)  # a broken run's entropy counts as collapsed
         ent = (e[:, n - rule.final:].mean(axis=1) < e_med[n - rule.final:].mean() - e_h) & np.isfinite(e_h)
     rows = []
+    a = rule.burn_in
     for i, (run, r) in enumerate(info.iterrows()):
-        a = max(int(r.start) if np.isfinite(r.start) else rule.burn_in, rule.burn_in)
         above = int(np.count_nonzero(x[i, a:] > med[a:] + h))
         with np.errstate(invalid="ignore"):
             final = float(x[i, n - rule.final:].mean() - med[n - rule.final:].mean())

@@ -1,20 +1,22 @@
 """Collapse specificity: among perturbed runs, does a score tell the runs that will collapse from those
-that will not, at the same time since the perturbation started and before the label fires?
+that will not, before the label fires?
 
 A detector that alarms on every perturbation warns of every collapse, and says nothing about which
-perturbations are harmful. This module asks that second question on perturbed runs only:
+perturbations are harmful. This module asks that second question on perturbed runs only, with
+windows a deployed monitor could use (it knows neither the kind nor when a perturbation started):
 
-* a run's *window* is ``[start, start + span)`` (``span`` per event family: the median time from
-  the start to the onset of that family's collapsing runs, at least 1 step), cut at the onset for a
-  run that collapses, so that no score after the label enters; a collapsing run with no step
-  before its onset has no window and is left out (counted in ``n_no_window``). Windows of runs
-  that do not collapse are never shorter, which can only favour the null side;
+* a run's *window* is the whole run from ``burn_in`` on, cut before the onset for a run that
+  collapses, so that no score after the label enters; a collapsing run with no step before its
+  onset has no window and is left out (counted in ``n_no_window``). Windows of runs that do not
+  collapse are never shorter, which can only favour the null side;
 * its score is the largest value of the detector in the window;
 * ROC-AUC (scikit-learn) of collapsing against non-collapsing runs, and the precision and recall of
   an alarm (score above the detector's calibrated threshold) in the window;
 * intervals resample *seeds* (the independent unit: every perturbed run of a seed shares its
-  unperturbed prefix), with scipy's bootstrap; a difference of two detectors' AUC is resampled on
-  the same seeds.
+  unperturbed prefix): a resample draws the seeds with replacement and takes every run of each drawn
+  seed as often as it was drawn; its AUC comes from the Mann-Whitney sums of every pair of seeds at
+  once (:func:`_pairs_by_seed`, equal to the AUC of the resampled runs); a difference of two
+  detectors' AUC is resampled on the same seeds.
 """
 
 from __future__ import annotations
@@ -27,29 +29,15 @@ import xarray as xr
 from scipy import stats as sps
 
 
-def spans(info: pd.DataFrame, target: pd.Series) -> dict[str, int]:
-    """Family -> window length: the median ``onset - start`` of the family's perturbed runs whose
-    ``target`` is true (at least 1; the family's median perturbation duration when none collapse)."""
-    out = {}
-    for fam, g in info[info.kind != "none"].groupby("family"):
-        pos = g[target.loc[g.index] & g.event]
-        d = (pos.onset - pos.start) if len(pos) else g.duration
-        out[str(fam)] = max(int(np.nanmedian(d)), 1) if len(d) and np.isfinite(np.nanmedian(d)) else 1
-    return out
-
-
-def window_scores(scores: xr.DataArray, info: pd.DataFrame, span: dict[str, int]) -> pd.DataFrame:
+def window_scores(scores: xr.DataArray, info: pd.DataFrame, burn_in: int) -> pd.DataFrame:
     """Largest score of each detector (columns) in each perturbed run's window (rows; module
     docstring); NaN where a collapsing run has no step before its onset."""
     pert = info[info.kind != "none"]
     vals = scores.transpose("run", "detector", "step").sel(run=pert.index.values).values
     out = pd.DataFrame(np.nan, index=pert.index, columns=scores["detector"].values)
     for i, (run, x) in enumerate(pert.iterrows()):
-        a = int(x.start)
-        b = a + span.get(x.family, 1)
-        if x.event:
-            b = min(b, int(x.onset))
-        w = vals[i, :, a:b]
+        b = int(x.onset) if x.event else int(x.end)
+        w = vals[i, :, burn_in:b]
         if w.shape[1]:
             seen = ~np.isnan(w)
             out.loc[run] = np.where(seen.any(axis=1), np.where(seen, w, -np.inf).max(axis=1), np.nan)
@@ -71,26 +59,55 @@ def _auc(score: np.ndarray, y: np.ndarray) -> float:
     return float((r[y].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
 
 
-def _by_seed(seeds: np.ndarray, units: np.ndarray) -> np.ndarray:
-    """Row indices of the runs of the drawn seeds ``units``, with their multiplicity."""
-    return np.concatenate([np.flatnonzero(seeds == u) for u in units])
+def _pairs_by_seed(score: np.ndarray, y: np.ndarray, idx: np.ndarray, n_units: int) -> tuple[np.ndarray, ...]:
+    """The Mann-Whitney sums of every pair of seeds: ``A[s, t]`` adds, over the positive runs of seed
+    ``s`` and the negative runs of seed ``t``, 1 where the positive scores higher and 1/2 on a tie;
+    with ``n_pos[s]`` and ``n_neg[t]`` the AUC of any multiset of seeds with counts ``w`` is
+    ``w A w / ((w n_pos)(w n_neg))``, the AUC of its runs (each drawn as often as its seed)."""
+    big = np.finfo(float).max
+    x = np.clip(score, -big, big)
+    pos, neg = x[y], x[~y]
+    k = (pos[:, None] > neg[None, :]) + 0.5 * (pos[:, None] == neg[None, :])
+    one_pos = np.eye(n_units)[idx[y]]
+    one_neg = np.eye(n_units)[idx[~y]]
+    return one_pos.T @ k @ one_neg, one_pos.sum(axis=0), one_neg.sum(axis=0)
 
 
-def _boot(stat, seeds: np.ndarray, n_boot: int, seed: int) -> tuple[float, float]:
-    units = np.unique(seeds)
+def _resampled_auc(parts: tuple[np.ndarray, ...], w: np.ndarray) -> np.ndarray:
+    """The AUC of each resample (rows of seed counts ``w``), NaN where one lacks a class."""
+    a, n_pos, n_neg = parts
+    num = np.einsum("bs,st,bt->b", w, a, w)
+    den = (w @ n_pos) * (w @ n_neg)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / den, np.nan)
+
+
+def _seed_counts(seeds: np.ndarray, n_boot: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each run's seed as an index into the distinct seeds, and ``n_boot`` resamples of those seeds
+    with replacement (rows: how often each seed is drawn); no resample with fewer than 2 seeds."""
+    units, idx = np.unique(seeds, return_inverse=True)
     if units.size < 2 or n_boot < 1:
+        return idx, np.empty((0, units.size))
+    draws = np.random.default_rng(seed).integers(0, units.size, (n_boot, units.size))
+    w = np.zeros((n_boot, units.size))
+    np.add.at(w, (np.arange(n_boot)[:, None], draws), 1.0)
+    return idx, w
+
+
+def _interval(dist: np.ndarray) -> tuple[float, float]:
+    """Percentile 95% interval of a bootstrap distribution; undefined (NaN) when any resample is."""
+    if dist.size == 0 or np.isnan(dist).any():
         return np.nan, np.nan
-    with np.errstate(invalid="ignore"):
-        res = sps.bootstrap((units,), lambda u: stat(_by_seed(seeds, u)), n_resamples=n_boot, vectorized=False,
-                            method="percentile", random_state=np.random.default_rng(seed))
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+    lo, hi = np.percentile(dist, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def separation(windows: pd.DataFrame, info: pd.DataFrame, target: pd.Series, thresholds: pd.Series,
                detectors: Sequence[str], *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
-    """Per detector: ``auc, auc_lo, auc_hi`` (seed bootstrap), ``precision, recall`` of an alarm at
-    ``thresholds``, ``n_pos, n_neg`` (runs), ``n_seeds`` and ``n_no_window``, on the runs of
-    ``windows`` (rows of :func:`window_scores`) with ``target`` (bool per run: it will collapse)."""
+    """Per detector: ``auc, auc_lo, auc_hi`` (seed bootstrap) and ``boot`` (the resamples' AUCs),
+    ``precision, recall`` of an alarm at ``thresholds``, ``n_pos, n_neg`` (runs), ``n_seeds`` and
+    ``n_no_window``, on the runs of ``windows`` (rows of :func:`window_scores`) with ``target`` (bool
+    per run: it will collapse)."""
     y_all = target.loc[windows.index].to_numpy(bool)
     seeds_all = info.loc[windows.index, "seed"].to_numpy()
     rows = []
@@ -99,8 +116,10 @@ def separation(windows: pd.DataFrame, info: pd.DataFrame, target: pd.Series, thr
         ok = ~np.isnan(s_all)
         s, y, seeds = s_all[ok], y_all[ok], seeds_all[ok]
         alarm = s > thresholds.get(det, np.inf)
-        lo, hi = _boot(lambda i, s=s, y=y: _auc(s[i], y[i]), seeds, n_boot, seed + k)
-        rows.append({"detector": det, "auc": _auc(s, y), "auc_lo": lo, "auc_hi": hi,
+        idx, w = _seed_counts(seeds, n_boot, seed + k)
+        dist = _resampled_auc(_pairs_by_seed(s, y, idx, w.shape[1]), w) if len(w) else np.empty(0)
+        lo, hi = _interval(dist)
+        rows.append({"detector": det, "auc": _auc(s, y), "auc_lo": lo, "auc_hi": hi, "boot": dist,
                      "precision": float(y[alarm].mean()) if alarm.any() else np.nan,
                      "recall": float(alarm[y].mean()) if y.any() else np.nan,
                      "n_pos": int(y.sum()), "n_neg": int((~y).sum()), "n_seeds": int(np.unique(seeds).size),
@@ -109,15 +128,14 @@ def separation(windows: pd.DataFrame, info: pd.DataFrame, target: pd.Series, thr
 
 
 def auc_difference(windows: pd.DataFrame, info: pd.DataFrame, target: pd.Series, a: str, b: str, *,
-                   n_boot: int = 1000, seed: int = 0) -> tuple[float, tuple[float, float], int]:
-    """AUC of detector ``a`` minus that of ``b`` on the same runs, its seed-bootstrap interval and
-    the number of seeds."""
+                   n_boot: int = 1000, seed: int = 0) -> tuple[float, tuple[float, float], int, np.ndarray]:
+    """AUC of detector ``a`` minus that of ``b`` on the same runs, its seed-bootstrap interval, the
+    number of seeds and the resamples' differences."""
     s = windows[[a, b]].to_numpy(float)
     ok = ~np.isnan(s).any(axis=1)
     s, y = s[ok], target.loc[windows.index].to_numpy(bool)[ok]
     seeds = info.loc[windows.index, "seed"].to_numpy()[ok]
-
-    def diff(i):
-        return _auc(s[i, 0], y[i]) - _auc(s[i, 1], y[i])
-
-    return diff(np.arange(len(y))), _boot(diff, seeds, n_boot, seed), int(np.unique(seeds).size)
+    idx, w = _seed_counts(seeds, n_boot, seed)
+    dist = (_resampled_auc(_pairs_by_seed(s[:, 0], y, idx, w.shape[1]), w)
+            - _resampled_auc(_pairs_by_seed(s[:, 1], y, idx, w.shape[1]), w)) if len(w) else np.empty(0)
+    return _auc(s[:, 0], y) - _auc(s[:, 1], y), _interval(dist), int(np.unique(seeds).size), dist
