@@ -348,6 +348,12 @@ def test_analysis_outcomes_specificity_and_claims(study):
     assert {v for c, v in verdicts.items() if "slow-onset events" in c} == {"not tested"}  # every spike jumps
     assert any("earlier than the loss" in c for c in verdicts.index)
     assert len([c for c in verdicts.index if c.startswith("held-out kind mystery")]) == 3
+    units = V.design(study).set_index(["events", "vs"])
+    assert units.loc[("shock", "the loss"), ["n events", "seeds", "design effect"]].tolist() == [3, 3, 1.0]
+    assert units.loc[("slow-onset", "the loss"), "n events"] == 0  # the held-out kind's slow onset is not counted
+    check = V.manipulation_check(study.info)
+    assert check.loc[("lr_spike", 1.0, 10.0), "shock"] == 6 and check.loc[("lr_spike", 1.0, 10.0), "designed"] == "shock"
+    assert check.loc[("mystery", 1.0, 10.0), "designed"] == ""  # no design to check it against
 
 
 def test_a_run_of_an_unknown_kind_started_at_an_unknown_step_is_scored_from_the_data(study):
