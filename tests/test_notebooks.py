@@ -76,6 +76,7 @@ def test_papermill_check_catches_a_line_it_cannot_parse():
 def test_study_kernels_do_not_print_the_tcp_warning(tmp_path, capfd):
     import papermill as pm
 
+
     nb = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "language": "python",
                                                            "display_name": "Python 3"}})
     nb.cells = [nbformat.v4.new_code_cell("a = 1", metadata={"tags": ["parameters"]}),
@@ -87,6 +88,17 @@ def test_study_kernels_do_not_print_the_tcp_warning(tmp_path, capfd):
                             kernel_name="python3", progress_bar=False, **kw)
         assert nbformat.read(tmp_path / "out.ipynb", as_version=4).cells[-1].outputs[0]["text"] == "20\n"
         assert ("without encryption" in capfd.readouterr().err) == warned  # the default TCP kernel warns
+
+
+def test_study_kernel_sockets_live_in_jupyters_runtime_folder(tmp_path, monkeypatch):
+    """Not jupyter_client's default for IPC without a connection file, kernel-ipc-N in the working
+    folder: a killed kernel left its sockets there, and two studies raced for the names."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    monkeypatch.chdir(tmp_path)
+    managers = [study.kernel_manager_class()() for _ in range(2)]
+    assert all(Path(km.ip).parent == Path(jupyter_runtime_dir()) for km in managers)
+    assert managers[0].ip != managers[1].ip and not list(tmp_path.iterdir())
 
 
 @pytest.mark.notebook

@@ -298,12 +298,20 @@ def kernel_manager_class() -> type:
     encryption; where there are none (Windows) the default TCP transport stays. Each manager is
     kept (weakly) so that :class:`Interrupt` can reach its kernel.
     """
+    import uuid
+
     from jupyter_client.manager import KernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
 
     class StudyKernelManager(KernelManager):
         def __init__(self, **kwargs: Any):
             if os.name == "posix":
                 kwargs.setdefault("transport", "ipc")
+                # without a connection file yet, jupyter_client names the sockets kernel-ipc-N in the
+                # working folder, where a killed kernel leaves them and two studies race for the names
+                runtime = Path(jupyter_runtime_dir())
+                runtime.mkdir(parents=True, exist_ok=True)
+                kwargs.setdefault("ip", str(runtime / f"stabstudy-{uuid.uuid4().hex[:12]}-ipc"))
             super().__init__(**kwargs)
             _KERNELS.add(self)
 
