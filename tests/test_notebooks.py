@@ -46,6 +46,15 @@ def test_stored_stripped_with_literal_parameters(nb):
     assert {"profile", "scheduler"} <= set(params), f"{nb.name}: parameters must include profile and scheduler"
 
 
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_key_figure_is_one_the_notebook_saves(nb):
+    """FINDINGS.md shows each notebook's key figure (metadata stabstudy.key_figure)."""
+    node = json.loads(nb.read_text())
+    name = node["metadata"].get("stabstudy", {}).get("key_figure")
+    code = "".join("".join(c["source"]) for c in node["cells"] if c["cell_type"] == "code")
+    assert name and f'NB, "{name}"' in code, f"{nb.name}: key_figure {name!r} is not a figure it saves"
+
+
 @pytest.mark.parametrize("profile", study.PROFILES)
 def test_profile_keys_match_notebook_parameters(profile):
     prof = study.load_profile(profile)

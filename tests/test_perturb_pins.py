@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from stabstudy.registry import learner_for
-from stabstudy.run.report import cpuinfo
+from stabstudy.run.costs import cpuinfo
 from stabstudy.spec import Perturbation as P
 from stabstudy.spec import RunSpec
 

@@ -8,7 +8,7 @@ import nbformat
 import pytest
 
 from stabstudy.analysis import claims as C
-from stabstudy.run import report
+from stabstudy.run import costs, report
 from stabstudy.run.cli import main
 
 matplotlib.use("Agg")
@@ -85,6 +85,29 @@ def test_check_names_what_changed(study, capsys):
     assert report.check("quick") == ["changed: stabstudy/x.py", "added: notebooks/01_new.ipynb"]
     assert main(["report", "--profile", "quick", "--check"]) == 1
     assert "changed: stabstudy/x.py" in capsys.readouterr().err
+
+
+def test_the_readmes_cost_block_is_the_executions_and_check_says_when_it_is_not(study):
+    """The README's cost table is written from the executions' own measurements (no time typed by
+    hand), names the machine once where every page ran on one, and report --check flags an edit."""
+    readme = study / "README.md"
+    readme.write_text(f"# demo\n\nintro\n\n{costs.BEGIN}\nold numbers\n{costs.END}\n\nrest\n")
+    nb = nbformat.read(study / "build" / "quick" / "00_demo.ipynb", as_version=4)
+    nb.metadata["stabstudy"] = {"cpu_s": 30.0, "runs_computed": 7, "runs_stored": 2, "commit": "abc123",
+                                "machine": "Demo CPU, 2 cores, no GPU"}
+    nbformat.write(nb, study / "build" / "quick" / "00_demo.ipynb")
+    report.publish("quick")
+    text = readme.read_text()
+    assert "old numbers" not in text and text.startswith("# demo\n\nintro\n\n") and text.endswith("\n\nrest\n")
+    assert "on Demo CPU, 2 cores, no GPU, commit `abc123`, 2026-12-01" in text
+    assert "| 00 | 7 | 2 | 12 s | 30 s |" in text and "| all | 7 | | 12 s | 30 s |" in text
+    assert report.check("quick") == []
+    readme.write_text(text.replace("| 00 | 7 |", "| 00 | 6 |"))
+    assert report.check("quick") == ["changed: README.md's cost block (run `stabstudy report --profile quick`)"]
+    plain = "# no markers\n"
+    readme.write_text(plain)
+    report.publish("quick")
+    assert readme.read_text() == plain
 
 
 def test_no_executed_notebooks_is_a_clear_error(tmp_path, monkeypatch, capsys):

@@ -34,6 +34,13 @@ def question(notebook: Path) -> str:
     return title.split(":", 1)[1].strip() if ":" in title else title
 
 
+def name(notebook: Path) -> str:
+    """The notebook's name as its title gives it, before the colon (``04 · Meta-state analysis``)."""
+    first = nbformat.read(notebook, as_version=4).cells[0].source if notebook.exists() else ""
+    title = first.splitlines()[0].lstrip("# ").strip() if first.startswith("# ") else notebook.stem
+    return title.split(":", 1)[0].strip()
+
+
 def key_figure(notebook: Path) -> str | None:
     """The figure named in the notebook's metadata as the one that shows its answer."""
     return nbformat.read(notebook, as_version=4).metadata.get("stabstudy", {}).get(KEY_FIGURE)
@@ -90,8 +97,7 @@ def sources_lines(rows: Sequence[Mapping]) -> list[str]:
 
 def section(stem: str, notebook: Path, rows: Sequence[Mapping] | None, figure: str | None) -> list[str]:
     """One notebook's section of ``FINDINGS.md``."""
-    title = stem.replace("_", " ", 1).split("_", 1)
-    lines = [f"## {title[0]}{' · ' + title[1].replace('_', ' ') if len(title) > 1 else ''}", "",
+    lines = [f"## {name(notebook)}", "",
              f"**Question.** {question(notebook)}", ""]
     if rows is None:
         return lines + ["**Answer.** Not available: its page was published before the claims had families; "

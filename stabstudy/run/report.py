@@ -34,7 +34,7 @@ from pathlib import Path
 
 from stabstudy import paths
 from stabstudy.analysis import claims_markdown
-from stabstudy.run import findings
+from stabstudy.run import costs, findings
 
 #: Packages whose versions head CLAIMS.md.
 PACKAGES = ("torch", "numpy", "scipy", "xarray", "pandas", "stable-baselines3", "gymnasium", "mujoco",
@@ -49,27 +49,6 @@ def _versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             out[name] = "not installed"
     return out
-
-
-def cpuinfo(field: str) -> str | None:
-    """The first ``field`` of ``/proc/cpuinfo`` (``model name``, ``vendor_id``), None where there is none."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.split(":", 1)[0].strip() == field:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _machine() -> str:
-    cpu = cpuinfo("model name") or platform.processor() or platform.machine()
-    import os
-
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}"
 
 
 def _executed(profile: str) -> list[Path]:
@@ -109,8 +88,8 @@ def unfinished(node) -> str | None:
 def _render(nb: Path, out: Path) -> dict:
     """``nb`` as ``out/<stem>.md`` (:func:`stabstudy.run.pages.render`); returns what its execution
     measured: ``wall_s``, ``end`` (time), and as ``stabstudy study`` measured them (NaN or -1 where it
-    did not) ``cpu_s``, ``runs_computed``, ``runs_stored`` and ``commit`` (absent where it did not:
-    the report's own commit stands in)."""
+    did not) ``cpu_s``, ``runs_computed``, ``runs_stored``, ``machine`` (this one where it did not say)
+    and ``commit`` (absent where it did not: the report's own commit stands in)."""
     import nbformat
 
     from stabstudy.run import pages
@@ -122,6 +101,7 @@ def _render(nb: Path, out: Path) -> dict:
     cpu = meta.get("cpu_s")
     return {"wall_s": float(pm.get("duration") or float("nan")), "end": str(pm.get("end_time") or ""),
             **({"commit": str(meta["commit"])} if meta.get("commit") else {}),
+            "machine": str(meta.get("machine") or costs.machine()),
             "cpu_s": float(cpu) if cpu is not None else float("nan"),
             "runs_computed": int(meta.get("runs_computed", -1)), "runs_stored": int(meta.get("runs_stored", -1))}
 
@@ -227,6 +207,7 @@ def publish(profile: str = "quick") -> list[Path]:
         pages[nb.stem] = page | {"from_scratch": from_scratch(page, before.get(nb.stem))}
     pages = dict(sorted(pages.items()))
     commits = list(dict.fromkeys(e["commit"] for e in pages.values()))
+    machines = list(dict.fromkeys(e.get("machine", "not recorded") for e in pages.values()))
     ends = [e["end"] for e in pages.values() if e["end"]]
     versions = _versions()
     code = f"commit `{commits[0]}`" if len(commits) == 1 else \
@@ -239,7 +220,7 @@ def publish(profile: str = "quick") -> list[Path]:
         "(supported / not supported / inconclusive / not tested).",
         "",
         f"- profile: `{profile}`; code: {code}",
-        f"- machine: {_machine()}",
+        "- machine: " + (machines[0] if len(machines) == 1 else "per notebook (the cost table below)"),
         "- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()),
         f"- study finished: {max(ends) if ends else 'unknown'}",
         "- wall time per notebook: " + ", ".join(f"{s} {e['wall_s']:.0f} s" for s, e in pages.items()),
@@ -249,6 +230,8 @@ def publish(profile: str = "quick") -> list[Path]:
         *([] if len(commits) == 1 else
           ["- commit and end per notebook: " + ", ".join(f"{s} `{e['commit'][:12]}` {e['end'] or 'unknown'}"
                                                          for s, e in pages.items())]),
+        "",
+        *costs.table(pages, profile),
         "",
         "## Confirmatory claims",
         "",
@@ -278,6 +261,8 @@ def publish(profile: str = "quick") -> list[Path]:
     findings.write(out, {s: e.get("table") for s, e in pages.items()}, paths.root() / "notebooks")
     manifest = {"profile": profile, "notebooks": pages}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    if profile == "quick":  # the README's cost block is the quick study's
+        costs.update_readme(paths.root() / "README.md", pages, profile)
     return sorted(p for p in out.rglob("*") if p.is_file())
 
 
@@ -312,5 +297,8 @@ def check(profile: str = "quick") -> list[str]:
     for p in now:
         if _notebook_of(p) and _notebook_of(p) not in pages:
             changed[f"added: {p}"] = None
+    stale = costs.readme_stale(paths.root() / "README.md", pages, profile) if profile == "quick" else None
+    if stale:
+        changed[stale] = None
     order = {"changed": 0, "added": 1, "removed": 2}
     return sorted(changed, key=lambda c: (order[c.split(":")[0]], c))

@@ -515,10 +515,13 @@ def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | No
           commit: str | None = None, interrupted: bool = False) -> None:
     """Store ``executed`` with :func:`collapse_streams` applied (and, for the report, its CPU seconds,
     the runs it computed and found stored and the commit it ran at in the metadata:
-    ``stabstudy.cpu_s``, ``stabstudy.runs_computed``, ``stabstudy.runs_stored``, ``stabstudy.commit``;
+    ``stabstudy.cpu_s``, ``stabstudy.runs_computed``, ``stabstudy.runs_stored``, ``stabstudy.commit``
+    with ``stabstudy.machine``;
     ``stabstudy.interrupted`` where Ctrl-C stopped it, which ``stabstudy report`` refuses)
     and repeat its warnings on the terminal."""
     import nbformat
+
+    from stabstudy.run import costs
 
     if not executed.exists():
         return
@@ -529,6 +532,7 @@ def _tidy(executed: Path, cpu_s: float | None = None, runs: tuple[int, int] | No
         node.metadata.setdefault("stabstudy", {}).update(runs_computed=int(runs[0]), runs_stored=int(runs[1]))
     if commit is not None:
         node.metadata.setdefault("stabstudy", {})["commit"] = commit
+        node.metadata["stabstudy"]["machine"] = costs.machine()
     if interrupted:
         node.metadata.setdefault("stabstudy", {})["interrupted"] = True
     nbformat.write(node, executed)
