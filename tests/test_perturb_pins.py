@@ -75,9 +75,10 @@ SPEC_HASHES = {
 #: the perturbation skeleton was shared (2026-12-01, its capability not recorded then); on 2026-12-07 at
 #: 885ba8c an EPYC of model 2 with AVX-512 gave all eight of them again, so they are keyed to it (they
 #: were keyed to a guessed AVX2, and that machine skipped). The Intel Xeon's on 2026-12-06 at edb4e1e,
-#: whose learners are those with which the EPYC's pins last passed in CI.
+#: whose learners are those with which the EPYC's pins last passed in CI. An EPYC of model 17 gave all
+#: eight again on 2026-12-07 (after issues 43-47 merged), so they are keyed to AMD with AVX-512, any model.
 PINS = {
-    "AuthenticAMD/AVX512/2": {
+    "AuthenticAMD/AVX512": {
         "toy_adam": "f14346dbe2017ebb",
         "toy_sgd": "c9bebe465a1b5f43",
         "lm": "d9840cdadd476736",
@@ -100,17 +101,21 @@ PINS = {
 #: The pins stay those of the arrays recorded before, so that an added channel cannot hide a change to an old one.
 ADDED = {"toy_adam": ("out_logit_max", "last_weight_norm"), "toy_sgd": ("out_logit_max", "last_weight_norm")}
 ADDED_PINS = {
-    "AuthenticAMD/AVX512/2": {"toy_adam": "238278b46abc39a0", "toy_sgd": "0fbfde5ab5651cde"},
+    "AuthenticAMD/AVX512": {"toy_adam": "238278b46abc39a0", "toy_sgd": "0fbfde5ab5651cde"},
     "GenuineIntel/AVX512": {"toy_adam": "1710741963df9c81", "toy_sgd": "37c4c7b39ee635ca"},
 }
 
 
 #: Added with the Monitor's norm before clipping (issue 46): every run but seq's (which recorded its own).
-#: Its digests are pinned where recorded (none yet: record them with ``python tests/test_perturb_pins.py``);
-#: everywhere it must equal grad_norm where nothing changed the gradient between backward() and the step.
+#: Its digests are pinned where recorded (an EPYC of model 17, 2026-12-07; elsewhere record them with
+#: ``python tests/test_perturb_pins.py``); everywhere it must equal grad_norm where nothing changed the
+#: gradient between backward() and the step.
 RAW = "grad_norm_raw"
 RAW_ADDED = ("toy_adam", "toy_sgd", "lm", "lm_clip")
-RAW_PINS: dict[str, dict[str, str]] = {}
+RAW_PINS: dict[str, dict[str, str]] = {
+    "AuthenticAMD/AVX512": {"toy_adam": "a08545fd630fdcaa", "toy_sgd": "5bbb50376d4e3536", "lm": "9292d83cd2e85e49",
+                            "lm_clip": "7d0ffed3013bdb34"},
+}
 
 
 def processor() -> str:
