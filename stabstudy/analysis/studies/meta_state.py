@@ -63,7 +63,7 @@ SHARED_CHANNELS: tuple[str, ...] = ("grad_norm", "xgrad", "update_ratio/lr", "up
                                     "adam_v_mean")
 #: The commit that froze every protocol choice of notebook 04 (label, families, windows, budget, meta-state,
 #: detectors, claims, variations) before the held-out kinds were added to its grid; empty until then.
-PROTOCOL_FROZEN_AT = ""
+PROTOCOL_FROZEN_AT = "47e4656"
 
 
 def plan(domain: str, *, sesoi: Mapping[str, float] | None = None, budget: float = 1.0,
