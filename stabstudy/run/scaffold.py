@@ -57,6 +57,10 @@ def parse_name(stem: str) -> tuple[str, str]:
     return m["number"], m["name"]
 
 
+#: The first figure a template saves: the scaffolded notebook's key figure.
+_FIGURE = re.compile(r'plots\.savefig\([^,]+,\s*NB,\s*"(?P<name>[^"]+)"')
+
+
 def notebook_json(text: str) -> str:
     """The notebook template's text (cells split at ``# %% code|markdown [tag]`` lines), as stripped ``.ipynb``."""
     import nbformat
@@ -67,6 +71,9 @@ def notebook_json(text: str) -> str:
     nb = nbformat.v4.new_notebook()
     nb.metadata = {"kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
                    "language_info": {"name": "python"}}
+    figure = _FIGURE.search(text)
+    if figure:  # FINDINGS.md shows it beside the notebook's answer
+        nb.metadata["stabstudy"] = {"key_figure": figure["name"]}
     for i, (m, nxt) in enumerate(zip(marks, [*marks[1:], None], strict=True)):
         source = text[m.end():nxt.start() if nxt else len(text)].strip("\n")
         make = nbformat.v4.new_code_cell if m["kind"] == "code" else nbformat.v4.new_markdown_cell
